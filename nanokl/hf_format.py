@@ -1,0 +1,178 @@
+"""The Hugging Face checkpoint format: `config.json` fields and safetensors tensor names.
+
+A model directory written by `transformers` holds `config.json` (the architecture as JSON) and the
+weights as `model.safetensors`, or as shards listed in `model.safetensors.index.json`. Safetensors
+is a flat name -> tensor table with a JSON header: loading it runs no code, unlike a pickle, which
+is why it is the only weight format nanokl reads (`torch.load` is used only with
+`weights_only=True`, for optimizer state).
+
+Two details of the format trip readers up, and both are handled here:
+- `rope_theta` sits at the top level of older files and inside `rope_parameters` in files written
+  by transformers 5 (`rope_scaling` moved there too).
+- `transformers` drops a config field whose value equals the base-class default when it writes
+  with `use_diff`, and that default for `tie_word_embeddings` is True: a missing field means tied.
+  With tied embeddings the file has no `lm_head.weight` (safetensors cannot store one tensor twice).
+
+The model code (nanokl/model.py) turns these into a `ModelConfig` and a module; this file only
+reads and writes the format, and raises `CheckpointError` naming the missing file, the
+unsupported architecture, or the tensor whose name or shape is wrong. tests/test_model.py checks
+both directions against `transformers` itself.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nanokl.config import UserError
+
+# architecture name in config.json -> (model_type, head): "lm" a causal LM, "value" a scalar head
+ARCHITECTURES = {
+    "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "LlamaForCausalLM": ("llama", "lm"),
+    "Qwen2ForTokenClassification": ("qwen2", "value"),
+    "LlamaForTokenClassification": ("llama", "value"),
+}
+HEAD_ARCH = {"lm": "ForCausalLM", "value": "ForTokenClassification"}
+TYPE_PREFIX = {"qwen2": "Qwen2", "llama": "Llama"}
+
+
+class CheckpointError(UserError):
+    """A model directory that nanokl cannot load, with the reason in one line."""
+
+
+def read_config(path) -> tuple[dict, str]:
+    """config.json -> (ModelConfig keyword arguments, head kind "lm" | "value")."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing config.json (not a Hugging Face model directory)")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    head = "lm"
+    if archs:
+        if archs[0] not in ARCHITECTURES:
+            raise CheckpointError(
+                f"{cfg_file}: unsupported architecture {archs[0]!r}; nanokl loads {', '.join(ARCHITECTURES)}")
+        model_type, head = ARCHITECTURES[archs[0]]
+    if model_type not in TYPE_PREFIX:
+        raise CheckpointError(f"{cfg_file}: unsupported model_type {model_type!r}; nanokl loads qwen2 and llama")
+    if hf.get("use_sliding_window"):
+        raise CheckpointError(f"{cfg_file}: use_sliding_window=true is not supported")
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    try:
+        kw = dict(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_file}: missing field {e.args[0]!r}") from None
+    kw.update(
+        num_key_value_heads=hf.get("num_key_value_heads", kw["num_attention_heads"]),
+        head_dim=hf.get("head_dim"),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        initializer_range=hf.get("initializer_range", 0.02),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+    return kw, head
+
+
+def hf_config(cfg, head: str, dtype: torch.dtype) -> dict:
+    """ModelConfig -> the config.json that transformers reads (both rope_theta spellings)."""
+    arch = TYPE_PREFIX[cfg.model_type] + HEAD_ARCH[head]
+    out = {
+        "architectures": [arch],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})},
+        "rope_scaling": cfg.rope_scaling,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if cfg.model_type == "llama":
+        out.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers)
+    if head == "value":
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    return out
+
+
+def load_tensors(path, device="cpu") -> dict[str, torch.Tensor]:
+    """All tensors of a model directory, from one safetensors file or an index of shards."""
+    path = Path(path)
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f, device=str(device)))
+    return tensors
+
+
+def check_tensors(expected: dict, tensors: dict, path, ignore=()) -> dict:
+    """Keep the tensors the module expects; name the first missing or misshapen one."""
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"{path}: missing tensor {name!r}")
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)}")
+    extra = [n for n in tensors if n not in expected and not n.endswith(".rotary_emb.inv_freq") and n not in ignore]
+    if extra:
+        raise CheckpointError(f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} in all); wrong architecture?")
+    return {n: tensors[n] for n in expected}
+
+
+def save_tensors(state_dict: dict, path, dtype=None):
+    """Write model.safetensors atomically (temp file + rename): a crash leaves no half file."""
+    path = Path(path)
+    out = {}
+    for name, t in state_dict.items():
+        t = t.detach()
+        out[name] = (t.to(dtype) if dtype is not None else t).cpu().contiguous()
+    tmp = path / "model.safetensors.tmp"
+    save_file(out, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path / "model.safetensors")

@@ -1,0 +1,152 @@
+"""Text <-> token ids: a thin layer over the `tokenizers` library, with left padding and prompts.
+
+The idea
+--------
+A model directory from Hugging Face carries its tokenizer as `tokenizer.json` (the whole
+pipeline: normaliser, pre-tokeniser, BPE merges, decoder), which the Rust `tokenizers` library
+runs directly; `tokenizer_config.json` names the special tokens (`eos_token`, `pad_token`) and
+`generation_config.json` may list extra ids that end a response (Qwen2.5-Instruct stops at both
+`<|im_end|>` and `<|endoftext|>`). This module reads those three files and adds what RLHF needs:
+
+- Left padding. A batch of prompts is padded on the *left*, so every prompt ends in the last
+  column and generation appends the next token of every row in the same column. The attention
+  mask (1 = real token) tells the model to skip the padding (see nanokl/model.py).
+- Truncation of over-long prompts as verl's `data.truncation`: "error" (the default: a prompt
+  that does not fit is a mistake), "left" (keep the end) or "right" (keep the start).
+- Prompt templates: "plain" feeds the text as is; "chatml" wraps it in the chat format that Qwen
+  instruct models were trained on:
+      <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n
+- A small byte-level BPE tokenizer trained on the built-in synthetic task, with digits split one
+  per token (so the model sees numbers digit by digit, which makes arithmetic learnable), saved as
+  `tokenizer.json` + `tokenizer_config.json` next to the weights so `transformers` loads it too.
+
+Byte-level BPE (GPT-2; Sennrich et al. 2016 for BPE) maps every byte to a symbol first, so any
+text encodes without an unknown token and decodes back exactly. tests/test_tokenizer.py checks
+left padding and truncation against hand-made expectations, exact round trips, and that
+`transformers`' tokenizer loading the same file gives the same ids.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from nanokl.config import UserError
+
+CHATML = "<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
+def _token_str(tok):
+    # tokenizer_config.json stores a special token as a string or as {"content": ...}
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, eos_token: str, pad_token: str | None = None, extra_eos_ids=()):
+        self.tok = tok
+        self.eos_token = eos_token
+        self.pad_token = pad_token or eos_token  # no pad token: pad with eos (masked out anyway)
+        self.eos_token_id = self._id(self.eos_token)
+        self.pad_token_id = self._id(self.pad_token)
+        # every id that ends a response; the first is eos_token_id
+        self.eos_token_ids = [self.eos_token_id] + [i for i in extra_eos_ids if i != self.eos_token_id]
+
+    def _id(self, token):
+        i = self.tok.token_to_id(token)
+        if i is None:
+            raise UserError(f"special token {token!r} is not in the tokenizer's vocabulary")
+        return i
+
+    @property
+    def vocab_size(self):
+        return self.tok.get_vocab_size()
+
+    def encode_one(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode(self, texts, max_length=None, truncation="error", device=None):
+        """Left-padded batch: (input_ids [B, T], attention_mask [B, T]); T = the longest prompt."""
+        rows = [ids for ids in (e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False))]
+        if max_length is not None:
+            for i, ids in enumerate(rows):
+                if len(ids) <= max_length:
+                    continue
+                if truncation == "left":
+                    rows[i] = ids[-max_length:]
+                elif truncation == "right":
+                    rows[i] = ids[:max_length]
+                else:
+                    raise UserError(f"prompt {i} has {len(ids)} tokens, over data.max_prompt_length={max_length} "
+                                    "(set data.truncation=left|right, or data.filter_overlong_prompts=true)")
+        T = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), T), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            if ids:
+                input_ids[i, T - len(ids):] = torch.tensor(ids)
+                attention_mask[i, T - len(ids):] = 1
+        return input_ids.to(device), attention_mask.to(device)
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, rows, mask=None, skip_special_tokens=True) -> list[str]:
+        """Decode each row, keeping only the positions where `mask` is 1 (e.g. a response mask)."""
+        rows = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+        if mask is not None:
+            mask = mask.tolist() if isinstance(mask, torch.Tensor) else mask
+            rows = [[t for t, m in zip(r, mr) if m] for r, mr in zip(rows, mask)]
+        return self.tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+
+    def save(self, path):
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(path / "tokenizer.json"))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
+               "pad_token": self.pad_token, "model_max_length": 1 << 30, "padding_side": "left"}
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """Read tokenizer.json (+ tokenizer_config.json, generation_config.json) from a directory."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise UserError(f"{path}: no tokenizer.json (nanokl reads fast-tokenizer files only)")
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    tcfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
+    eos = _token_str(tcfg.get("eos_token"))
+    extra = gen.get("eos_token_id", [])
+    extra = [extra] if isinstance(extra, int) else list(extra)
+    if eos is None:
+        if not extra:
+            raise UserError(f"{path}: no eos_token in tokenizer_config.json nor eos_token_id in generation_config.json")
+        eos = tok.id_to_token(extra[0])
+    return Tokenizer(tok, eos, _token_str(tcfg.get("pad_token")), extra)
+
+
+def train_tokenizer(texts, vocab_size=512, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                    extra_special=("<|im_start|>", "<|im_end|>")) -> Tokenizer:
+    """Byte-level BPE with one token per digit, trained on `texts` (the synthetic task's)."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token, pad_token, *extra_special],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(tok, eos_token, pad_token)
+
+
+def apply_template(prompt: str, template="plain", system_prompt=None) -> str:
+    """The text the model is conditioned on: `prompt` as is, or wrapped in ChatML."""
+    if template == "plain":
+        return prompt if system_prompt is None else f"{system_prompt}\n{prompt}"
+    if template == "chatml":
+        sys = CHATML.format(role="system", content=system_prompt) if system_prompt is not None else ""
+        return sys + CHATML.format(role="user", content=prompt) + "<|im_start|>assistant\n"
+    raise UserError(f"unknown prompt template {template!r} (valid: plain, chatml)")
