@@ -1,0 +1,487 @@
+"""The config tree: every knob of nanokl, with verl's key names and defaults.
+
+A verl user should recognize every key: `data.train_batch_size`, `actor_rollout_ref.actor.
+use_kl_loss`, `algorithm.kl_ctrl.target_kl`, ... The tree is plain dataclasses (no registry,
+no factory, no OmegaConf): read a field's line below to learn what it does. Where a field
+has a verl counterpart it has verl's default, so the dataclass defaults *are* verl's
+defaults; the runnable settings live in YAML files under `configs/`:
+
+    configs/arith_tiny.yaml            the CPU default (built-in arithmetic task, tiny model)
+    configs/presets/conservative.yaml  arith_tiny with a tighter KL target
+    configs/presets/aggressive.yaml    arith_tiny with a looser KL target
+
+Loading a config is four steps (the machinery is in `config_io.py`):
+
+    cfg = load_config("configs/presets/conservative.yaml", ["algorithm.kl_ctrl.target_kl=0.02"])
+      1. YAML files, following `defaults:` chains, deep-merged        (config_io.load_yaml_chain)
+      2. `key.sub=value` overrides on top                             (config_io.apply_override)
+      3. keys and types checked against the dataclasses below         (config_io.build)
+      4. `resolve`: None -> derived defaults, then `validate`: impossible values rejected
+
+Derived defaults. In verl, `clip_ratio_low: ${actor.clip_ratio}`-style interpolations fill
+some keys from others. Here such a key is `Optional` with a `None` default, and `resolve`
+fills it once, at load time, so that downstream code reads `actor.clip_ratio_low` and never
+re-derives it. After `resolve`, none of those keys is None (the list is `resolve`'s body).
+
+Batch sizes count what verl counts: `data.train_batch_size` and `ppo_mini_batch_size` count
+*prompts* (each sampled `rollout.n` times), `*_micro_batch_size_per_gpu` counts *responses*
+on one GPU, `*_max_token_len_per_gpu` counts tokens on one GPU.
+
+Every mistake (unknown key, wrong type, impossible value) is a one-line `ConfigError` that
+names the dotted key and, when a file or argument set it, where: tests/test_config.py checks
+each kind against the files themselves.
+"""
+
+import dataclasses
+import functools
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal, Optional, Union
+
+import yaml
+
+from nanokl.config_io import (ConfigError, UserError, all_keys, apply_override, build,
+                              load_yaml_chain, run_cli, to_dict)
+
+__all__ = ["Config", "ConfigError", "UserError", "run_cli", "load_config", "parse_cli", "resolve",
+           "validate", "config_to_dict", "save_config", "KL_KINDS", "LOSS_AGG_MODES", "DEFAULT_CONFIG"]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "arith_tiny.yaml"
+
+# The KL estimators kl.kl_penalty accepts (a trailing "+": the value of the estimator with
+# the gradient of k2, straight-through). kl.py owns the formulas; this is the list of names.
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
+                 "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Strategy = Literal["none", "ddp", "fsdp2"]  # verl says fsdp/fsdp2; nanokl has one plain, one DDP, one FSDP2 path
+KL_KINDS = typing.get_args(KLKind)
+LOSS_AGG_MODES = typing.get_args(LossAggMode)
+
+
+@dataclass
+class DataConfig:
+    train_files: Union[str, list[str], None] = None  # JSONL/Parquet prompt file(s); None or "" -> built-in `task`
+    val_files: Union[str, list[str], None] = None  # validation prompt file(s); None or "" -> built-in `task`
+    prompt_key: str = "prompt"  # field holding the prompt (a string, or a list of chat messages)
+    reward_fn_key: str = "data_source"  # field naming the rule-based scorer for that row
+    max_prompt_length: int = 512  # longest prompt in tokens; longer ones follow `truncation`
+    max_response_length: int = 512  # most tokens generated per response
+    train_batch_size: int = 1024  # prompts per PPO step (each sampled rollout.n times)
+    val_batch_size: Optional[int] = None  # prompts per validation batch; None -> train_batch_size
+    shuffle: bool = True  # reshuffle the training prompts every epoch
+    seed: Optional[int] = None  # shuffling seed; None -> trainer.seed
+    truncation: Literal["error", "left", "right"] = "error"  # over-long prompt: raise, cut its start, cut its end
+    filter_overlong_prompts: bool = False  # drop over-long prompts when loading instead
+    task: Literal["arith"] = "arith"  # built-in synthetic task used when train_files is empty
+    num_train: int = 4096  # synthetic task: number of training prompts
+    num_val: int = 256  # synthetic task: number of validation prompts (0: no validation)
+    prompt_template: Literal["plain", "chatml"] = "plain"  # how a prompt is wrapped before tokenizing
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF-format checkpoint dir (config.json + *.safetensors); None -> sft.output_dir
+    tokenizer_path: Optional[str] = None  # dir holding tokenizer.json; None -> path
+    use_remove_padding: bool = False  # pack sequences without pad tokens in training forwards
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
+    override_config: dict = field(default_factory=dict)  # entries replacing the checkpoint's config.json ones
+
+
+@dataclass
+class OptimConfig:
+    RENAMED: ClassVar[dict] = {"warmup_style": "lr_scheduler_type"}  # verl's older name still accepted
+    lr: float = 1e-6  # AdamW peak learning rate
+    lr_warmup_steps: int = -1  # linear warm-up steps; -1 -> lr_warmup_steps_ratio * total_training_steps
+    lr_warmup_steps_ratio: float = 0.0  # warm-up length as a fraction of total_training_steps
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"  # after warm-up: hold, or cosine decay
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decay rates
+    total_training_steps: int = -1  # optimizer steps in the run; -1: the trainer fills it in
+
+
+@dataclass
+class CriticOptimConfig(OptimConfig):
+    lr: float = 1e-5  # the value head learns faster than the policy may move
+
+
+@dataclass
+class ActorConfig:
+    strategy: Strategy = "none"  # none: one process; ddp: replicate; fsdp2: shard (verl: fsdp/fsdp2)
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # responses per forward/backward; None -> whole mini-batch
+    use_dynamic_bsz: bool = False  # micro-batch by a token budget instead of a response count
+    ppo_max_token_len_per_gpu: int = 16384  # that token budget, per GPU, when use_dynamic_bsz
+    grad_clip: float = 1.0  # clip the global gradient norm to this
+    clip_ratio: float = 0.2  # PPO's epsilon: ratio clipped to [1 - eps, 1 + eps]
+    clip_ratio_low: Optional[float] = None  # lower epsilon; None -> clip_ratio
+    clip_ratio_high: Optional[float] = None  # upper epsilon; None -> clip_ratio (DAPO raises it)
+    clip_ratio_c: float = 3.0  # dual-clip: a negative advantage's loss is capped at c * |A|
+    loss_agg_mode: LossAggMode = "token-mean"  # how per-token losses become one number
+    entropy_coeff: float = 0.0  # entropy bonus weight (subtracted from the loss)
+    use_kl_loss: bool = False  # add kl_loss_coef * KL(pi || pi_ref) to the loss (GRPO-style)
+    kl_loss_coef: float = 0.001  # weight of that KL loss
+    kl_loss_type: KLKind = "low_var_kl"  # estimator for that KL loss
+    ppo_epochs: int = 1  # passes over each batch of rollouts
+    shuffle: bool = False  # reshuffle responses between those passes
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RefConfig:
+    strategy: Optional[Strategy] = None  # None -> actor.strategy
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses per reference forward; None -> all
+    log_prob_use_dynamic_bsz: bool = False  # micro-batch the reference forward by tokens
+    log_prob_max_token_len_per_gpu: int = 16384  # that token budget, per GPU
+
+
+@dataclass
+class ValKwargsConfig:
+    top_k: int = -1  # sample only among the k likeliest tokens; -1: off
+    top_p: float = 1.0  # nucleus sampling mass; 1.0: off
+    temperature: float = 0.0  # 0 with do_sample false: greedy
+    n: int = 1  # responses per validation prompt
+    do_sample: bool = False  # false: greedy decoding
+
+
+@dataclass
+class RolloutConfig:
+    temperature: float = 1.0  # logits are divided by it, when sampling and in every log-prob alike
+    top_k: int = -1  # sample only among the k likeliest tokens; -1: off
+    top_p: float = 1.0  # nucleus sampling mass; 1.0: off
+    do_sample: bool = True  # false: greedy decoding
+    n: int = 1  # responses sampled per prompt (GRPO needs > 1)
+    prompt_length: Optional[int] = None  # None -> data.max_prompt_length
+    response_length: Optional[int] = None  # None -> data.max_response_length
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # rollout dtype on CUDA (CPU runs float32)
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses per old-log-prob forward; None -> all
+    log_prob_use_dynamic_bsz: bool = False  # micro-batch that forward by tokens
+    log_prob_max_token_len_per_gpu: int = 16384  # that token budget, per GPU
+    use_cuda_graph: bool = True  # capture the decode step in CUDA graphs (verl: enforce_eager=False)
+    max_batch_size: Optional[int] = None  # largest CUDA-graph batch bucket; None: rollout picks from the batch
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # one checkpoint serves actor, rollout and ref
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # checkpoint the value model starts from; None -> actor_rollout_ref.model.path
+    tokenizer_path: Optional[str] = None  # None -> actor_rollout_ref.model.tokenizer_path
+    use_remove_padding: bool = False  # pack sequences without pad tokens
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward
+    override_config: dict = field(default_factory=dict)  # entries replacing the checkpoint's config.json ones
+
+
+@dataclass
+class CriticConfig:
+    strategy: Optional[Strategy] = None  # None -> actor_rollout_ref.actor.strategy
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
+    ppo_mini_batch_size: Optional[int] = None  # prompts per critic step; None -> actor's
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # responses per forward/backward; None -> whole mini-batch
+    use_dynamic_bsz: bool = False  # micro-batch by a token budget
+    ppo_max_token_len_per_gpu: int = 32768  # that token budget in training, per GPU
+    forward_max_token_len_per_gpu: int = 32768  # that token budget when computing values, per GPU
+    ppo_epochs: Optional[int] = None  # passes over each batch; None -> actor's
+    shuffle: bool = False  # reshuffle between passes
+    grad_clip: float = 1.0  # clip the global gradient norm to this
+    cliprange_value: float = 0.5  # new values are clipped to old +- this (PPO value clipping)
+    loss_agg_mode: LossAggMode = "token-mean"  # how per-token value losses become one number
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None  # Bradley-Terry reward model checkpoint (HF format)
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False  # score with a learned reward model instead of the rule-based score
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: Optional[int] = None  # responses per reward-model forward; None -> all
+    max_length: Optional[int] = None  # truncate prompt+response to this for the reward model; None: no cut
+    missing_eos_penalty: float = 0.0  # subtracted from the score of a response cut off before its EOS
+    score_method: Literal["strict", "flexible"] = "strict"  # GSM8K: last '#### N' (strict) or last number
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"  # fixed beta, or beta steered toward target_kl
+    kl_coef: float = 0.001  # beta: the (initial) weight of the KL penalty in the reward
+    horizon: int = 10000  # adaptive: responses over which beta may move by ~20%
+    target_kl: float = 0.1  # adaptive: per-token KL the controller steers toward
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0  # discount per token
+    lam: float = 1.0  # GAE lambda: 0 one-step TD, 1 Monte-Carlo
+    adv_estimator: Literal["gae", "grpo"] = "gae"  # critic + GAE, or group-relative (no critic)
+    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
+    use_kl_in_reward: bool = False  # subtract beta * KL(pi || pi_ref) from each token's reward
+    kl_penalty: KLKind = "kl"  # estimator for that in-reward KL
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class KLMonitorConfig:
+    enable: bool = False  # watch the run's KL health each step (monitor.py)
+    kl_band: tuple[float, float] = (0.02, 0.08)  # healthy range of the mean per-token KL
+    kl_var_max: float = 0.05  # alarm when KL's variance across responses exceeds this
+    entropy_min: float = 0.2  # alarm when mean token entropy falls below this (collapse)
+    reward_var_max: float = 2.0  # alarm when reward variance exceeds this
+    stop_kl: float = 0.2  # a step whose KL exceeds this counts toward stopping
+    stop_patience: int = 5  # consecutive such steps before `action` fires
+    action: Literal["warn", "stop", "rollback"] = "warn"  # log it, stop the run, or reload the last checkpoint
+    rollback_beta_factor: float = 1.5  # after a rollback, beta is multiplied by this
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "nanokl"  # groups runs in the logger
+    experiment_name: str = "default"  # this run's name in the logger
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console"])
+    total_epochs: int = 30  # passes over the training prompts
+    total_training_steps: Optional[int] = None  # stop after this many PPO steps; None -> from total_epochs
+    save_freq: int = -1  # checkpoint every this many steps; -1: only at the end
+    test_freq: int = -1  # validate every this many steps; -1: never during training
+    val_before_train: bool = True  # validate once before the first step
+    critic_warmup: int = 0  # steps training only the critic before the actor moves
+    default_local_dir: str = "runs/nanokl"  # where checkpoints and logs go
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # latest checkpoint, none, or resume_from_path
+    resume_from_path: Optional[str] = None  # checkpoint dir for resume_mode: resume_path
+    max_actor_ckpt_to_keep: Optional[int] = None  # delete older checkpoints beyond this many; None: keep all
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    seed: int = 42  # seeds torch, numpy and python's random
+    log_freq: int = 1  # print/log metrics every this many steps
+    kl_monitor: KLMonitorConfig = field(default_factory=KLMonitorConfig)
+
+
+@dataclass
+class SFTConfig:
+    """nanokl-only: the supervised warm start that produces the reference policy for `task`."""
+    output_dir: str = "runs/arith_tiny/sft"  # where the HF-format checkpoint + tokenizer are written
+    steps: int = 600  # optimizer steps
+    batch_size: int = 64  # examples per step
+    lr: float = 1e-3  # AdamW learning rate
+    num_examples: int = 20000  # synthetic (prompt, answer) pairs to train on
+    vocab_size: int = 64  # must cover the synthetic task's tokenizer
+    hidden_size: int = 64  # model width
+    num_hidden_layers: int = 2  # decoder blocks
+    num_attention_heads: int = 4  # query heads
+    num_key_value_heads: int = 2  # key/value heads (grouped-query attention)
+    intermediate_size: int = 256  # SwiGLU hidden width
+    max_position_embeddings: int = 64  # longest prompt + response the model is built for
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived defaults and impossible values
+# ---------------------------------------------------------------------------------------------
+
+def resolve(cfg: Config) -> Config:
+    """Fill every None-means-derived key from the key it derives from (in place; idempotent)."""
+    data, arr, critic = cfg.data, cfg.actor_rollout_ref, cfg.critic
+    actor, rollout = arr.actor, arr.rollout
+    data.seed = _or(data.seed, cfg.trainer.seed)
+    data.val_batch_size = _or(data.val_batch_size, data.train_batch_size)
+    data.train_files, data.val_files = _file_list(data.train_files), _file_list(data.val_files)
+    arr.model.path = arr.model.path or cfg.sft.output_dir  # "" counts as unset for paths
+    arr.model.tokenizer_path = arr.model.tokenizer_path or arr.model.path
+    actor.clip_ratio_low = _or(actor.clip_ratio_low, actor.clip_ratio)
+    actor.clip_ratio_high = _or(actor.clip_ratio_high, actor.clip_ratio)
+    arr.ref.strategy = _or(arr.ref.strategy, actor.strategy)
+    rollout.prompt_length = _or(rollout.prompt_length, data.max_prompt_length)
+    rollout.response_length = _or(rollout.response_length, data.max_response_length)
+    critic.strategy = _or(critic.strategy, actor.strategy)
+    critic.model.path = critic.model.path or arr.model.path
+    critic.model.tokenizer_path = critic.model.tokenizer_path or arr.model.tokenizer_path
+    critic.ppo_mini_batch_size = _or(critic.ppo_mini_batch_size, actor.ppo_mini_batch_size)
+    critic.ppo_epochs = _or(critic.ppo_epochs, actor.ppo_epochs)
+    return cfg
+
+
+def _or(value, default):
+    """`default` when `value` is None (not when it is 0: a zero must reach `validate`)."""
+    return default if value is None else value
+
+
+def _file_list(files):
+    """None, "" or [] -> None (the built-in task); "a.jsonl" -> ["a.jsonl"]."""
+    if not files:
+        return None
+    return [files] if isinstance(files, str) else list(files)
+
+
+def _get(cfg, key: str):
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+_A, _R, _C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
+_M, _S = "trainer.kl_monitor.", "sft."
+
+# (keys, test, what the value must be). A None value (an Optional left unset) passes.
+_RULES = [
+    (["data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+      "data.val_batch_size", "data.num_train",
+      _A + "ppo_mini_batch_size", _A + "ppo_micro_batch_size_per_gpu", _A + "ppo_max_token_len_per_gpu",
+      _A + "ppo_epochs", _A + "grad_clip",
+      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+      "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+      _R + "temperature", _R + "n", _R + "prompt_length", _R + "response_length",
+      _R + "log_prob_micro_batch_size_per_gpu", _R + "log_prob_max_token_len_per_gpu",
+      _R + "max_batch_size", _R + "val_kwargs.n",
+      _C + "ppo_mini_batch_size", _C + "ppo_micro_batch_size_per_gpu", _C + "ppo_max_token_len_per_gpu",
+      _C + "forward_max_token_len_per_gpu", _C + "ppo_epochs", _C + "grad_clip", _C + "cliprange_value",
+      "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
+      "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl",
+      "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep",
+      "trainer.log_freq", _M + "kl_var_max", _M + "reward_var_max", _M + "stop_kl", _M + "stop_patience",
+      _S + "steps", _S + "batch_size", _S + "lr", _S + "num_examples", _S + "vocab_size", _S + "hidden_size",
+      _S + "num_hidden_layers", _S + "num_attention_heads", _S + "num_key_value_heads",
+      _S + "intermediate_size", _S + "max_position_embeddings"],
+     lambda v: v > 0, "> 0"),
+    (["data.num_val", "data.seed", "trainer.seed", "trainer.critic_warmup", _A + "kl_loss_coef",
+      "algorithm.kl_ctrl.kl_coef", "reward_model.missing_eos_penalty", _M + "entropy_min",
+      _R + "val_kwargs.temperature", _A + "optim.lr", _A + "optim.weight_decay",
+      _C + "optim.lr", _C + "optim.weight_decay"],
+     lambda v: v >= 0, ">= 0"),
+    ([_A + "clip_ratio", _A + "clip_ratio_low", _A + "clip_ratio_high"], lambda v: 0 < v < 1, "in (0, 1)"),
+    ([_A + "clip_ratio_c"], lambda v: v > 1, "> 1 (dual clip caps the loss at c * |advantage|)"),
+    (["algorithm.gamma", "algorithm.lam", _A + "optim.lr_warmup_steps_ratio", _A + "optim.min_lr_ratio",
+      _C + "optim.lr_warmup_steps_ratio", _C + "optim.min_lr_ratio"], lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ([_R + "top_p", _R + "val_kwargs.top_p"], lambda v: 0 < v <= 1, "in (0, 1]"),
+    ([_R + "top_k", _R + "val_kwargs.top_k"], lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
+    ([_A + "optim.lr_warmup_steps", _C + "optim.lr_warmup_steps"], lambda v: v >= -1,
+     "-1 (use the ratio) or >= 0"),
+    ([_A + "optim.total_training_steps", _C + "optim.total_training_steps"], lambda v: v == -1 or v > 0,
+     "-1 (filled in by the trainer) or > 0"),
+    (["trainer.save_freq", "trainer.test_freq"], lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
+    ([_A + "optim.betas", _C + "optim.betas"], lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    ([_M + "rollback_beta_factor"], lambda v: v >= 1, ">= 1 (beta is multiplied by it after a rollback)"),
+]
+
+
+def validate(cfg: Config) -> Config:
+    """Reject values that are wrong in every run (not merely unusual). Run after `resolve`."""
+    for keys, ok, rule in _RULES:
+        for key in keys:
+            value = _get(cfg, key)
+            if value is not None and not ok(value):
+                raise ConfigError(f"{key} must be {rule}, got {value!r}", keys=key)
+
+    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    for who, mini, micro, dyn in [(_A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                                   actor.use_dynamic_bsz),
+                                  (_C, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size_per_gpu,
+                                   cfg.critic.use_dynamic_bsz)]:
+        if data.train_batch_size % mini:
+            raise ConfigError(f"{who}ppo_mini_batch_size ({mini}) must divide data.train_batch_size "
+                              f"({data.train_batch_size}): a step splits its prompts into whole mini-batches",
+                              keys=(who + "ppo_mini_batch_size", "data.train_batch_size"))
+        if micro is not None and not dyn and (mini * rollout.n) % micro:
+            raise ConfigError(f"{who}ppo_micro_batch_size_per_gpu ({micro}) must divide ppo_mini_batch_size "
+                              f"* rollout.n ({mini * rollout.n}): a mini-batch's responses split into whole "
+                              f"micro-batches",
+                              keys=(who + "ppo_micro_batch_size_per_gpu", who + "ppo_mini_batch_size"))
+    if cfg.algorithm.adv_estimator == "grpo" and rollout.n < 2:
+        raise ConfigError(f"{_R}n must be > 1 with algorithm.adv_estimator=grpo (advantages are relative "
+                          f"to the other responses to the same prompt), got {rollout.n}",
+                          keys=(_R + "n", "algorithm.adv_estimator"))
+    if rollout.val_kwargs.do_sample and rollout.val_kwargs.temperature <= 0:
+        raise ConfigError(f"{_R}val_kwargs.temperature must be > 0 when val_kwargs.do_sample is true, got "
+                          f"{rollout.val_kwargs.temperature}",
+                          keys=(_R + "val_kwargs.temperature", _R + "val_kwargs.do_sample"))
+    low, high = cfg.trainer.kl_monitor.kl_band
+    if not 0 <= low < high:
+        raise ConfigError(f"{_M}kl_band must be [low, high] with 0 <= low < high, got [{low}, {high}]",
+                          keys=_M + "kl_band")
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_from_path must be set when trainer.resume_mode is resume_path",
+                          keys=("trainer.resume_from_path", "trainer.resume_mode"))
+    if cfg.reward_model.enable and not cfg.reward_model.model.path:
+        raise ConfigError("reward_model.model.path must be set when reward_model.enable is true",
+                          keys=("reward_model.model.path", "reward_model.enable"))
+    sft = cfg.sft
+    if sft.hidden_size % sft.num_attention_heads or (sft.hidden_size // sft.num_attention_heads) % 2:
+        raise ConfigError(f"{_S}hidden_size ({sft.hidden_size}) must be num_attention_heads "
+                          f"({sft.num_attention_heads}) x an even head size (RoPE rotates pairs)",
+                          keys=(_S + "hidden_size", _S + "num_attention_heads"))
+    if sft.num_attention_heads % sft.num_key_value_heads:
+        raise ConfigError(f"{_S}num_key_value_heads ({sft.num_key_value_heads}) must divide "
+                          f"num_attention_heads ({sft.num_attention_heads})", keys=(_S + "num_key_value_heads",))
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, the command line, saving
+# ---------------------------------------------------------------------------------------------
+
+def load_config(path=None, overrides=()) -> Config:
+    """YAML file `path` (None: the dataclass defaults) + `key=value` overrides -> resolved Config."""
+    tree, origins = ({}, {}) if path is None else load_yaml_chain(str(path))
+    try:
+        for arg in overrides:
+            apply_override(tree, origins, arg)
+        return validate(resolve(build(Config, tree, universe=all_keys(Config))))
+    except ConfigError as e:
+        raise e.locate(origins) from None
+
+
+USAGE = "usage: [--config PATH] [key.sub=value ...]   e.g. algorithm.kl_ctrl.target_kl=0.03"
+
+
+def parse_cli(argv=None, default_path=DEFAULT_CONFIG) -> Config:
+    """`--config PATH` (default: configs/arith_tiny.yaml) and `key.sub=value` overrides -> Config."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    path, overrides, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(USAGE + "\nsections: " + ", ".join(f.name for f in dataclasses.fields(Config)))
+            sys.exit(0)
+        if arg in ("--config", "-c"):
+            if i + 1 == len(argv):
+                raise ConfigError(f"{arg} needs a path; {USAGE}")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg!r}; {USAGE}")
+        else:
+            overrides.append(arg)
+        i += 1
+    return load_config(default_path if path is None else path, overrides)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """The config as plain dicts, lists and scalars (what save_config writes, what loggers record)."""
+    return to_dict(cfg)
+
+
+def save_config(cfg: Config, path) -> None:
+    """Write `cfg` as YAML; `load_config(path)` gives back an equal Config."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# nanokl config, resolved (written by nanokl.config.save_config)\n")
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=None)
