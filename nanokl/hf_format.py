@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanokl.config import UserError
+from nanokl.config_io import UserError
 
 # architecture name in config.json -> (model_type, head): "lm" a causal LM, "value" a scalar head
 ARCHITECTURES = {
