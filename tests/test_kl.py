@@ -49,10 +49,13 @@ def naive_grads(lp, ref, kind):
 
 
 def extreme_inputs(dtype=torch.float64):
-    """[4, 16] log-probs: random values, right padding (zeros), and |Δ| up to 50."""
+    """[4, 16] log-probs: random values, right padding (zeros), |Δ| up to 50, and two beyond
+    (|Δ| = 100, 1000) where an unclamped exp overflows in float32 / float64: without the
+    clamp of log r to [−20, 20] the value would still clamp to 10 but the gradient of the
+    overflowing exp would be 0·inf = NaN."""
     lp = -torch.rand(4, 16, dtype=torch.float64) * 6
     ref = -torch.rand(4, 16, dtype=torch.float64) * 6
-    deltas = [50.0, -50.0, 30.0, -30.0, 19.9, -19.9, 3.0, -3.0, 1e-3, -1e-3]
+    deltas = [50.0, -50.0, 30.0, -30.0, 19.9, -19.9, 3.0, -3.0, 1e-3, -1e-3, 100.0, -100.0, 1000.0, -1000.0]
     for j, d in enumerate(deltas):  # row 0 holds the extremes
         lp[0, j], ref[0, j] = (-1.0, -1.0 - d) if d > 0 else (-1.0 + d, -1.0)
     lp[1, 10:] = 0.0  # padding: both log-probs zero, Δ = 0
