@@ -1,0 +1,173 @@
+"""Advantages: which tokens deserve more probability? GAE (with a critic) and GRPO (without).
+
+Masked statistics
+-----------------
+Responses are right-padded to a common length, so every statistic is taken over the tokens
+where `mask` is 1. `masked_mean` = Σ m·x / Σ m; `masked_var` is the unbiased variance
+Σ m(x − μ)² / (n − 1) over those tokens. `masked_whiten` rescales to mean 0, variance 1:
+(x − μ)/sqrt(σ² + 1e-8). In a distributed run each rank holds a shard of the batch, and
+whitening with local statistics would make training depend on the number of GPUs. So the
+statistics are built from *moments* that add across shards:
+
+    S1 = Σ m·x,   S2 = Σ m·x²,   n = Σ m        (masked_moments)
+    μ = S1/n,     σ² = (S2/n − μ²) · n/(n − 1)
+
+dist.py all-reduces (S1, S2, n) and passes them back in; the whitened result is then the
+same on 1 or 8 GPUs. The moments are accumulated in float64 so that S2/n − μ² does not
+cancel to noise when |μ| is large compared with σ.
+
+GAE (Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized Advantage
+Estimation", arXiv:1506.02438)
+----------------------------------------------------------------------------------------
+Each response token is an action; the critic predicts V_t. The TD error
+δ_t = r_t + γ V_{t+1} − V_t says how much better the step went than predicted, and the
+advantage is an exponentially weighted sum of future TD errors:
+
+    A_t = Σ_{l≥0} (γλ)^l δ_{t+l}  computed backwards as  A_t = δ_t + γλ A_{t+1}
+
+λ = 0 gives the one-step TD error (low variance, biased by the critic); λ = 1 gives the Monte
+Carlo return minus V_t (unbiased, high variance). The critic's regression target is
+returns = A + V (computed *before* whitening). The bootstrap after the last real token is 0:
+the episode ends there. A position with mask 0 is skipped: the running V_{t+1} and A_{t+1}
+are carried through it unchanged, so right padding never affects real tokens and a mask with
+holes in the middle (e.g. tool-output tokens the policy did not generate) chains the real
+tokens around them. A masked position itself carries the advantage of the next real token to
+its right (0 after the last one); like verl we leave it there and rely on the loss mask.
+This mirrors verl's `compute_gae_advantage_return` (verl/trainer/ppo/core_algos.py), which
+whitens the advantages with `masked_whiten`.
+
+GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, §4.1.2)
+----------------------------------------------------------------
+No critic: sample G responses per prompt and use the group as the baseline. With score
+s_i = Σ_t r_{i,t}, the advantage of every token of response i is
+
+    A_i = (s_i − mean_g(s)) / (std_g(s) + ε)     or   s_i − mean_g(s)  (norm_adv_by_std=False,
+                                                                      Dr. GRPO, arXiv:2503.20783)
+
+with the unbiased standard deviation (torch.std's default, as verl). A group of size one gets
+mean 0 and std 1 (verl's convention), so its advantage is its own score. Mirrors verl's
+`compute_grpo_outcome_advantage`; the returns are the advantages. In a distributed run every
+response of a group must live on the same rank.
+
+How the tests prove it (tests/test_gae.py)
+------------------------------------------
+GAE equals a float64 per-sequence python loop that first compresses each row to its real
+tokens; with γ = λ = 1, returns equal the Monte Carlo return-to-go; whitening with the summed
+moments of a 2-way split equals whitening the whole batch; GRPO equals a per-group manual
+computation with python lists, including a group of size one and norm_adv_by_std=False.
+"""
+
+import torch
+
+
+def masked_sum(values, mask, dim=None):
+    """Σ mask·values, over all elements (dim=None) or along dim."""
+    prod = values * mask.to(values.dtype)
+    return prod.sum() if dim is None else prod.sum(dim=dim)
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean over mask==1 positions. Masks are 0/1; an all-zero mask gives 0 (not NaN) because
+    the count is clamped to 1, which is exact for any non-empty mask."""
+    count = mask.to(values.dtype)
+    count = count.sum() if dim is None else count.sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(values, mask, unbiased=True):
+    """Variance over all mask==1 positions (two-pass: centre first, then square)."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.to(values.dtype).sum()
+        if n < 2:
+            raise ValueError(f"unbiased masked_var needs at least 2 unmasked values, got {int(n)}")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_moments(values, mask):
+    """(Σ m·x, Σ m·x², Σ m) as float64 0-d tensors; add them across shards to get global ones.
+    Detached: whitening treats its statistics as constants."""
+    x = values.detach().double()
+    m = mask.double()
+    return (x * m).sum(), (x * x * m).sum(), m.sum()
+
+
+def masked_whiten(values, mask, shift_mean=True, stats=None):
+    """(values − μ)/sqrt(σ² + 1e-8) with μ, unbiased σ² from `stats` = global (S1, S2, n)
+    if given, else from this tensor's own masked moments. shift_mean=False adds μ back, so
+    only the scale changes. Applied to every position; masked ones are left to the loss mask."""
+    s1, s2, n = masked_moments(values, mask) if stats is None else stats
+    s1, s2, n = (torch.as_tensor(t, dtype=torch.float64) for t in (s1, s2, n))
+    if n < 2:
+        raise ValueError(f"masked_whiten needs at least 2 unmasked values, got {int(n)}")
+    mean = s1 / n
+    var = (s2 / n - mean * mean).clamp(min=0) * n / (n - 1)
+    mean = mean.to(device=values.device, dtype=values.dtype)
+    inv_std = torch.rsqrt(var + 1e-8).to(device=values.device, dtype=values.dtype)
+    whitened = (values - mean) * inv_std
+    return whitened + mean if not shift_mean else whitened
+
+
+@torch.no_grad()
+def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam,
+                                 whiten_stats=None):
+    """GAE advantages (whitened) and returns (un-whitened A + V), both [batch, response_len].
+
+    whiten_stats: None to whiten with this batch's own moments; or a function that receives
+        this shard's masked_moments of the raw advantages and returns the global ones
+        (dist.py passes an all-reduce), making the result independent of world size.
+    """
+    mask = response_mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        m = mask[:, t]
+        # Real token: take the new values. Masked: carry the running ones through unchanged.
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, adv_t, next_adv)
+        advantages[:, t] = next_adv
+    returns = advantages + values
+
+    stats = masked_moments(advantages, response_mask)
+    if whiten_stats is not None:
+        stats = whiten_stats(stats)
+    advantages = masked_whiten(advantages, response_mask, stats=stats)
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
+                                   norm_adv_by_std=True, eps=1e-6):
+    """GRPO group-relative advantages [batch, response_len]; returns == advantages.
+
+    index: one hashable prompt id per row (list, numpy array or tensor); rows with equal ids
+        form a group.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    keys = index.tolist() if hasattr(index, "tolist") else list(index)
+    if len(keys) != scores.shape[0]:
+        raise ValueError(f"index has {len(keys)} ids for {scores.shape[0]} responses")
+    group_of = {}
+    gid = torch.tensor([group_of.setdefault(k, len(group_of)) for k in keys], device=scores.device)
+    n_groups = len(group_of)
+
+    zeros = scores.new_zeros(n_groups)
+    count = zeros.index_add(0, gid, torch.ones_like(scores))
+    mean = zeros.index_add(0, gid, scores) / count
+    sq_dev = zeros.index_add(0, gid, (scores - mean[gid]) ** 2)
+    std = (sq_dev / (count - 1).clamp(min=1)).sqrt()
+    # verl's convention for a lone response: mean 0, std 1, i.e. the advantage is the score.
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+
+    adv = scores - mean[gid]
+    if norm_adv_by_std:
+        adv = adv / (std[gid] + eps)
+    advantages = adv.unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages

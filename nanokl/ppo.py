@@ -1,0 +1,161 @@
+"""PPO losses: the clipped policy loss, the clipped value loss, and how to average them.
+
+Clipped policy loss (Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
+arXiv:1707.06347, eq. 7)
+-----------------------------------------------------------------------------------------
+The batch was sampled by the old policy; we take several gradient steps on it. The
+importance ratio ρ = π_θ(a)/π_old(a) = exp(log_prob − old_log_prob) corrects for the drift,
+and clipping removes the incentive to drift far:
+
+    loss = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A) = max(−ρA, −clip(ρ)A)
+
+For A > 0 the gain stops at ρ = 1 + ε_high; for A < 0 it stops at ρ = 1 − ε_low. Separate
+ε_low/ε_high ("clip-higher", DAPO arXiv:2503.14476) let rare tokens grow faster than they
+shrink. One hole remains: for A < 0 and ρ ≫ 1 the loss −ρA grows without bound, so a single
+stale token can dominate the step. Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729) caps it:
+
+    A < 0:  loss = min(max(−ρA, −clip(ρ)A), −c·A)      with c = clip_ratio_c > 1
+
+Before the exponential the log-ratio is clamped to [−20, 20] so ρ stays finite.
+
+Diagnostics, as in verl's `compute_policy_loss_vanilla` (verl/trainer/ppo/core_algos.py):
+pg_clipfrac = fraction of tokens where the clipped term is strictly larger (clipping active);
+pg_clipfrac_lower = fraction where the dual clip is active (A < 0 and the clipped loss exceeds
+−c·A); ppo_kl = masked mean of −(log_prob − old_log_prob) (the clamped log-ratio), an
+estimate of KL(π_old‖π_θ) that tells how far the epochs have walked from the sampler.
+
+Clipped value loss (verl's `compute_value_loss`, from OpenAI baselines' ppo2)
+---------------------------------------------------------------------------
+The critic is kept near its old predictions the same way:
+vclip = V_old + clamp(V − V_old, −cliprange_value, +cliprange_value) and
+loss = ½·max((V − R)², (vclip − R)²). vf_clipfrac is the fraction of tokens where the clipped
+error is strictly larger.
+
+Aggregating a [batch, len] loss matrix (verl's `agg_loss`)
+---------------------------------------------------------
+    token-mean               Σ m·l / N_tok               every token weighs the same
+    seq-mean-token-sum       Σ_i (Σ_t m·l) / N_seq        every sequence's sum weighs the same
+    seq-mean-token-mean      Σ_i (Σ_t m·l / n_i) / N_seq  every sequence weighs the same (GRPO)
+    seq-mean-token-sum-norm  Σ_i (Σ_t m·l / H) / N_seq    Dr. GRPO (arXiv:2503.20783): a
+                                                          constant H removes the length bias
+Defaults: N_tok = mask sum of this call, N_seq = rows of this call (empty rows included, they
+contribute 0), H = loss_mask.shape[-1]. A row with n_i = 0 contributes 0 (n_i clamped to 1).
+With micro-batching or data parallelism the local denominators are wrong: each micro-batch
+would be normalized by its own count. Pass `global_norm` (the token count for token-mean, the
+sequence count for seq-mean-*, of the whole mini-batch) and the function divides by exactly
+that number; summing the micro-batch gradients then gives the mini-batch mean. DDP's all-reduce
+*averages* gradients over W ranks, so when global_norm counts all ranks multiply the loss by W
+(verl's `* dp_size`). Pass `horizon` (e.g. the configured max response length) so H does not
+change with the padding of each micro-batch. `global_norm`/`horizon` may be numbers or 0-d
+tensors; the returned metrics are always plain local masked means.
+
+Metric type: every metric is a detached 0-d tensor on the loss's device; the caller decides
+when to `.item()` (one sync per step instead of one per metric per micro-batch).
+
+Log-probabilities and entropy from logits
+-----------------------------------------
+log π(y) = z_y − logsumexp(z). Computing it as log_softmax(z).gather(y) keeps the whole
+[B, T, V] log-softmax alive until backward (its gradient is built from its output); gathering
+z_y and subtracting logsumexp keeps nothing of size V beyond the logits, which the model holds
+anyway. Entropy H = −Σ p log p = logsumexp(z) − Σ softmax(z)·z (since log p = z − logsumexp).
+Both compute in the dtype of the logits; pass float32 logits for float32 precision.
+
+explained_variance = 1 − Var[R − V]/Var[R] over masked tokens (verl's critic/vf_explained_var):
+1 means the critic predicts the returns perfectly, 0 means it does no better than a constant.
+
+How the tests prove it (tests/test_ppo.py)
+-----------------------------------------
+The policy loss equals a per-token python reference written branch by branch, on inputs built
+to hit every clip branch (each branch asserted hit); the three metrics equal their definitions;
+the gradient in the unclipped region equals −A·ρ per token (token-mean times the token count)
+and is 0 where clipped. Value loss and vf_clipfrac likewise; all four agg_loss modes (with and
+without global_norm/horizon) equal python-loop reductions; entropy and logprobs equal float64
+−Σp log p and log_softmax-gather; explained_variance equals its numpy definition.
+"""
+
+import torch
+
+from nanokl.gae import masked_mean, masked_var
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None):
+    """Reduce a [batch, len] loss matrix to a scalar; see the module docstring for each mode."""
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes are {', '.join(LOSS_AGG_MODES)}")
+    mask = loss_mask.to(loss_mat.dtype)
+    token_sums = (loss_mat * mask).sum(dim=-1)
+    if loss_agg_mode == "token-mean":
+        norm = mask.sum().clamp(min=1) if global_norm is None else global_norm
+        return token_sums.sum() / norm
+
+    if loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = token_sums
+    elif loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = token_sums / mask.sum(dim=-1).clamp(min=1)
+    else:  # seq-mean-token-sum-norm
+        seq_losses = token_sums / (loss_mask.shape[-1] if horizon is None else horizon)
+    norm = loss_mat.shape[0] if global_norm is None else global_norm
+    return seq_losses.sum() / norm
+
+
+def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
+                        clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
+                        loss_agg_mode="token-mean", global_norm=None, horizon=None):
+    """Dual-clip PPO policy loss. Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl})."""
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = torch.minimum(loss_ppo, -advantages * clip_ratio_c)
+    negative = advantages < 0
+    loss_mat = torch.where(negative, loss_dual, loss_ppo)
+
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_norm, horizon)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype), response_mask),
+            "pg_clipfrac_lower": masked_mean(
+                (negative & (loss_ppo > -advantages * clip_ratio_c)).to(loss_mat.dtype), response_mask
+            ),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def compute_value_loss(vpreds, returns, values, response_mask, cliprange_value,
+                       loss_agg_mode="token-mean", global_norm=None, horizon=None):
+    """Clipped value loss ½·max((V − R)², (V_clip − R)²). Returns (loss, {vf_clipfrac})."""
+    vpred_clipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    err_unclipped = (vpreds - returns) ** 2
+    err_clipped = (vpred_clipped - returns) ** 2
+    loss_mat = torch.maximum(err_unclipped, err_clipped)
+    loss = 0.5 * agg_loss(loss_mat, response_mask, loss_agg_mode, global_norm, horizon)
+    with torch.no_grad():
+        clipfrac = masked_mean((err_clipped > err_unclipped).to(loss_mat.dtype), response_mask)
+    return loss, {"vf_clipfrac": clipfrac.detach()}
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) over the last dim: logsumexp(z) − Σ softmax(z)·z."""
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels] as z_label − logsumexp(z), without a [.., V] log-softmax."""
+    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return label_logits - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def explained_variance(values, returns, mask):
+    """1 − Var[returns − values] / Var[returns] over mask==1 tokens, a detached 0-d tensor.
+    Var[returns] is floored at 1e-8 so constant returns give a finite number."""
+    var_resid = masked_var(returns - values, mask)
+    var_returns = masked_var(returns, mask)
+    return 1.0 - var_resid / var_returns.clamp(min=1e-8)

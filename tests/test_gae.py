@@ -1,0 +1,190 @@
+"""Tests for nanokl/gae.py: masked statistics against numpy, GAE against a per-sequence
+float64 loop, world-size independent whitening, and GRPO against per-group python lists."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nanokl.gae import (
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    masked_mean,
+    masked_moments,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+
+def right_padded_mask(lengths, width):
+    return torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths], dtype=torch.float64)
+
+
+def np_whiten(x, m, shift_mean=True):
+    """Reference whitening in numpy over the mask==1 entries, unbiased variance."""
+    sel = x[m > 0]
+    mean, var = sel.mean(), sel.var(ddof=1)
+    out = (x - mean) / np.sqrt(var + 1e-8)
+    return out + mean if not shift_mean else out
+
+
+def test_masked_stats_match_numpy():
+    x = torch.randn(5, 9, dtype=torch.float64) * 3 + 2
+    m = right_padded_mask([9, 4, 1, 7, 3], 9)
+    m[0, 4] = 0.0  # a hole in the middle
+    xn, mn = x.numpy(), m.numpy()
+    sel = xn[mn > 0]
+    assert masked_sum(x, m).item() == pytest.approx(sel.sum(), rel=1e-12)
+    assert masked_mean(x, m).item() == pytest.approx(sel.mean(), rel=1e-12)
+    assert masked_var(x, m).item() == pytest.approx(sel.var(ddof=1), rel=1e-12)
+    assert masked_var(x, m, unbiased=False).item() == pytest.approx(sel.var(ddof=0), rel=1e-12)
+    row_means = masked_mean(x, m, dim=-1)
+    for i in range(5):
+        assert row_means[i].item() == pytest.approx(xn[i][mn[i] > 0].mean(), rel=1e-12)
+    torch.testing.assert_close(masked_sum(x, m, dim=0), torch.from_numpy((xn * mn).sum(0)))
+    assert masked_mean(x, torch.zeros_like(m)).item() == 0.0  # empty mask: 0, not NaN
+    s1, s2, n = masked_moments(x, m)
+    assert (s1.item(), s2.item(), n.item()) == pytest.approx((sel.sum(), (sel**2).sum(), sel.size))
+    for shift in (True, False):
+        torch.testing.assert_close(masked_whiten(x, m, shift_mean=shift),
+                                   torch.from_numpy(np_whiten(xn, mn, shift)))
+    with pytest.raises(ValueError):
+        masked_var(x, right_padded_mask([1, 0, 0, 0, 0], 9))
+
+
+def test_whiten_with_global_moments_of_split_batch_equals_whole():
+    """Two 'ranks' each hold half the rows; adding their moments (what an all-reduce does)
+    and whitening each half with them reproduces whitening the whole batch."""
+    x = torch.randn(6, 8, dtype=torch.float64) * 2 + 5
+    m = right_padded_mask([8, 3, 5, 2, 7, 1], 8)
+    halves = [(x[:3], m[:3]), (x[3:], m[3:])]
+    moments = [masked_moments(xi, mi) for xi, mi in halves]
+    global_stats = tuple(a + b for a, b in zip(*moments))
+    split = torch.cat([masked_whiten(xi, mi, stats=global_stats) for xi, mi in halves])
+    torch.testing.assert_close(split, masked_whiten(x, m), rtol=1e-12, atol=1e-12)
+    local = torch.cat([masked_whiten(xi, mi) for xi, mi in halves])
+    assert not torch.allclose(local, split)  # local statistics really would differ
+
+
+def gae_reference(rewards, values, mask, gamma, lam):
+    """Float64 per-sequence loop: compress each row to its real tokens, run textbook GAE with
+    a 0 bootstrap, scatter back; a masked position takes the advantage of the next real token
+    to its right (0 after the last one). Returns raw (un-whitened) advantages and returns."""
+    B, T = len(rewards), len(rewards[0])
+    adv = np.zeros((B, T))
+    for i in range(B):
+        idx = [t for t in range(T) if mask[i][t] > 0]
+        a_real = [0.0] * len(idx)
+        running = 0.0
+        for k in reversed(range(len(idx))):
+            v_next = values[i][idx[k + 1]] if k + 1 < len(idx) else 0.0
+            delta = rewards[i][idx[k]] + gamma * v_next - values[i][idx[k]]
+            running = delta + gamma * lam * running
+            a_real[k] = running
+        for t in range(T):
+            later = [k for k, tt in enumerate(idx) if tt >= t]
+            adv[i][t] = a_real[later[0]] if later else 0.0
+    return adv, adv + np.array(values)
+
+
+def gae_inputs():
+    B, T = 5, 10
+    rewards = torch.randn(B, T, dtype=torch.float64)
+    values = torch.randn(B, T, dtype=torch.float64)
+    mask = right_padded_mask([10, 6, 1, 8, 3], T)
+    mask[0, 3] = mask[0, 4] = 0.0  # holes in the middle of a sequence
+    mask[3, 2] = 0.0
+    return rewards, values, mask
+
+
+def test_gae_matches_reference_loop_with_padding_and_holes():
+    rewards, values, mask = gae_inputs()
+    gamma, lam = 0.99, 0.95
+    adv, ret = compute_gae_advantage_return(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = gae_reference(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    torch.testing.assert_close(ret, torch.from_numpy(ref_ret), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv, torch.from_numpy(np_whiten(ref_adv, mask.numpy())),
+                               rtol=1e-10, atol=1e-10)
+    # padding contents are irrelevant to real tokens
+    garbage = (1 - mask) * 100.0
+    adv2, ret2 = compute_gae_advantage_return(rewards + garbage, values - garbage, mask, gamma, lam)
+    real = mask > 0
+    torch.testing.assert_close(adv2[real], adv[real])
+    torch.testing.assert_close(ret2[real], ret[real])
+
+
+def test_gae_lambda_one_gives_monte_carlo_return():
+    """γ = λ = 1: A_t + V_t telescopes to Σ_{t'≥t} r_t' over the real tokens."""
+    rewards, values, mask = gae_inputs()
+    _, ret = compute_gae_advantage_return(rewards, values, mask, 1.0, 1.0)
+    r, m = rewards.tolist(), mask.tolist()
+    for i in range(len(r)):
+        for t in range(len(r[i])):
+            if m[i][t] > 0:
+                mc = math.fsum(r[i][u] for u in range(t, len(r[i])) if m[i][u] > 0)
+                assert ret[i, t].item() == pytest.approx(mc, rel=1e-10, abs=1e-12)
+
+
+def test_gae_whiten_stats_hook_makes_split_equal_whole():
+    """Simulate 2 data-parallel ranks: pass 1 records each shard's moments, pass 2 hands each
+    shard their sum (an all-reduce); the advantages equal the whole-batch ones."""
+    rewards, values, mask = gae_inputs()
+    whole_adv, whole_ret = compute_gae_advantage_return(rewards, values, mask, 0.99, 0.95)
+    shards = [slice(0, 2), slice(2, 5)]
+    recorded = []
+    for s in shards:
+        compute_gae_advantage_return(rewards[s], values[s], mask[s], 0.99, 0.95,
+                                     whiten_stats=lambda st: recorded.append(st) or st)
+    total = tuple(a + b for a, b in zip(*recorded))
+    outs = [compute_gae_advantage_return(rewards[s], values[s], mask[s], 0.99, 0.95,
+                                         whiten_stats=lambda st: total) for s in shards]
+    torch.testing.assert_close(torch.cat([o[0] for o in outs]), whole_adv, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat([o[1] for o in outs]), whole_ret)
+
+
+def grpo_reference(scores, index, norm, eps):
+    groups = {}
+    for s, k in zip(scores, index):
+        groups.setdefault(k, []).append(s)
+    out = []
+    for s, k in zip(scores, index):
+        g = groups[k]
+        if len(g) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(g) / len(g)
+            std = math.sqrt(sum((v - mean) ** 2 for v in g) / (len(g) - 1))
+        out.append((s - mean) / (std + eps) if norm else s - mean)
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("index_type", ["list", "numpy", "tensor"])
+def test_grpo_matches_per_group_computation(norm, index_type):
+    B, T = 9, 6
+    rewards = torch.zeros(B, T, dtype=torch.float64)
+    mask = right_padded_mask([6, 2, 4, 5, 1, 3, 6, 6, 2], T)
+    lengths = mask.sum(-1).long()
+    rewards[torch.arange(B), lengths - 1] = torch.randn(B, dtype=torch.float64)  # outcome reward
+    rewards[0, 0] = 0.5  # a dense reward too: the score is the row sum
+    ids = ["a", "b", "a", "c", "b", "a", "b", "d", "a"]  # a:4, b:3, c:1, d:1
+    index = {"list": ids, "numpy": np.array(ids, dtype=object),
+             "tensor": torch.tensor([ord(c) for c in ids])}[index_type]
+    adv, ret = compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std=norm, eps=1e-6)
+    expected = grpo_reference(rewards.sum(-1).tolist(), ids, norm, 1e-6)
+    for i in range(B):
+        for t in range(T):
+            want = expected[i] if mask[i, t] > 0 else 0.0
+            assert adv[i, t].item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+    assert torch.equal(adv, ret)
+    # the lone responses (groups c and d) keep their own score as advantage
+    for i in (3, 7):
+        assert adv[i, 0].item() == pytest.approx(rewards[i].sum().item() / (1 + 1e-6 if norm else 1))
+
+
+def test_grpo_identical_scores_give_zero_advantage():
+    rewards = torch.ones(4, 3)
+    adv, _ = compute_grpo_outcome_advantage(rewards, torch.ones(4, 3), [0, 0, 1, 1])
+    assert torch.equal(adv, torch.zeros(4, 3))

@@ -1,0 +1,231 @@
+"""Tests for nanokl/ppo.py: the dual-clip policy loss branch by branch, the clipped value loss,
+every aggregation mode against python loops, entropy, log-probs and explained variance."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanokl.ppo import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    entropy_from_logits,
+    explained_variance,
+    logprobs_from_logits,
+)
+
+EPS_LOW, EPS_HIGH, CLIP_C = 0.2, 0.28, 3.0
+
+
+def python_agg(loss_rows, mask_rows, mode, global_norm=None, horizon=None):
+    """Loop reduction of a list-of-lists loss matrix, written from the mode's definition."""
+    if mode == "token-mean":
+        total = sum(l for lr, mr in zip(loss_rows, mask_rows) for l, m in zip(lr, mr) if m > 0)
+        count = sum(1 for mr in mask_rows for m in mr if m > 0)
+        return total / (global_norm if global_norm is not None else max(count, 1))
+    per_seq = []
+    for lr, mr in zip(loss_rows, mask_rows):
+        s = sum(l for l, m in zip(lr, mr) if m > 0)
+        n = sum(1 for m in mr if m > 0)
+        if mode == "seq-mean-token-sum":
+            per_seq.append(s)
+        elif mode == "seq-mean-token-mean":
+            per_seq.append(s / n if n else 0.0)
+        else:
+            per_seq.append(s / (horizon if horizon is not None else len(lr)))
+    return sum(per_seq) / (global_norm if global_norm is not None else len(per_seq))
+
+
+def policy_token_reference(a, log_ratio):
+    """One token's loss and the branch it took, written case by case (PPO paper + dual clip)."""
+    r = math.exp(min(max(log_ratio, -20.0), 20.0))
+    if a > 0:
+        if r > 1 + EPS_HIGH:
+            return -a * (1 + EPS_HIGH), "pos_clipped"
+        return -a * r, "pos_unclipped"
+    if a < 0:
+        if r < 1 - EPS_LOW:
+            return -a * (1 - EPS_LOW), "neg_clipped"
+        if r > CLIP_C:
+            return -a * CLIP_C, "neg_dual_clipped"
+        return -a * r, "neg_unclipped"
+    return 0.0, "zero_adv"
+
+
+def policy_inputs():
+    """Rows 0-1 are hand-built to hit each branch; rows 2-3 are random; row 3 is padded with
+    garbage that must not matter."""
+    cases = [  # (advantage, log ratio)
+        (1.0, math.log(1.5)), (0.7, math.log(0.5)), (2.0, math.log(1.1)), (1.3, 30.0),
+        (-1.0, math.log(0.5)), (-0.5, math.log(1.1)), (-2.0, math.log(2.0)), (-1.5, math.log(5.0)),
+        (-0.8, 30.0), (-1.1, -30.0), (0.0, math.log(2.0)), (0.4, -30.0),
+    ]
+    adv = torch.randn(4, 6, dtype=torch.float64)
+    log_ratio = torch.randn(4, 6, dtype=torch.float64) * 0.4
+    for k, (a, lr) in enumerate(cases):
+        adv[k // 6, k % 6], log_ratio[k // 6, k % 6] = a, lr
+    mask = torch.ones(4, 6, dtype=torch.float64)
+    mask[3, 3:] = 0.0
+    adv[3, 3:], log_ratio[3, 3:] = -50.0, 10.0
+    old = -torch.rand(4, 6, dtype=torch.float64) * 3
+    return old, old + log_ratio, adv, mask
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_matches_branchwise_reference(mode):
+    old, new, adv, mask = policy_inputs()
+    loss, metrics = compute_policy_loss(old, new, adv, mask, EPS_LOW, EPS_HIGH, CLIP_C, mode)
+    rows, branches, lr_all = [], [], []
+    for i in range(4):
+        row = []
+        for t in range(6):
+            lr = new[i, t].item() - old[i, t].item()
+            l, b = policy_token_reference(adv[i, t].item(), lr)
+            row.append(l)
+            if mask[i, t] > 0:
+                branches.append(b)
+                lr_all.append(min(max(lr, -20.0), 20.0))
+        rows.append(row)
+    for b in ("pos_clipped", "pos_unclipped", "neg_clipped", "neg_dual_clipped", "neg_unclipped", "zero_adv"):
+        assert b in branches, b
+    assert loss.item() == pytest.approx(python_agg(rows, mask.tolist(), mode), rel=1e-12)
+
+    n = len(branches)
+    assert metrics["pg_clipfrac"].item() == pytest.approx(
+        sum(b in ("pos_clipped", "neg_clipped") for b in branches) / n, rel=1e-12)
+    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(branches.count("neg_dual_clipped") / n, rel=1e-12)
+    assert metrics["ppo_kl"].item() == pytest.approx(-sum(lr_all) / n, rel=1e-12)
+    for v in metrics.values():
+        assert isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad
+
+
+def test_policy_gradient_per_token():
+    """token-mean loss × token count = Σ per-token losses, so its gradient is per token:
+    −A·ρ where unclipped (d(−Aρ)/dlogπ = −Aρ), 0 where clipped, dual-clipped, padded, or
+    where the log-ratio clamp at ±20 is saturated."""
+    old, new, adv, mask = policy_inputs()
+    new.requires_grad_(True)
+    loss, _ = compute_policy_loss(old, new, adv, mask, EPS_LOW, EPS_HIGH, CLIP_C, "token-mean")
+    (grad,) = torch.autograd.grad(loss * mask.sum(), new)
+    live = 0
+    for i in range(4):
+        for t in range(6):
+            lr = new[i, t].item() - old[i, t].item()
+            a = adv[i, t].item()
+            _, b = policy_token_reference(a, lr)
+            if mask[i, t] == 0 or b not in ("pos_unclipped", "neg_unclipped") or abs(lr) > 20:
+                want = 0.0
+            else:
+                want = -a * math.exp(lr)
+                live += 1
+            assert grad[i, t].item() == pytest.approx(want, rel=1e-12, abs=1e-300)
+    assert live >= 5  # the check covered real unclipped tokens, not only zeros
+
+
+def test_policy_loss_rejects_bad_dual_clip():
+    old, new, adv, mask = policy_inputs()
+    with pytest.raises(ValueError):
+        compute_policy_loss(old, new, adv, mask, 0.2, 0.2, clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_value_loss_matches_reference(mode):
+    B, T, clip = 3, 7, 0.5
+    values = torch.randn(B, T, dtype=torch.float64)
+    vpreds = values + torch.randn(B, T, dtype=torch.float64)  # some moves beyond ±0.5
+    returns = values + torch.randn(B, T, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.float64)
+    mask[1, 4:] = 0.0
+    vpreds.requires_grad_(True)
+    loss, metrics = compute_value_loss(vpreds, returns, values, mask, clip, mode)
+    rows, clipped = [], []
+    for i in range(B):
+        row = []
+        for t in range(T):
+            v, r, old = vpreds[i, t].item(), returns[i, t].item(), values[i, t].item()
+            vc = old + min(max(v - old, -clip), clip)
+            row.append(max((v - r) ** 2, (vc - r) ** 2))
+            if mask[i, t] > 0:
+                clipped.append((vc - r) ** 2 > (v - r) ** 2)
+        rows.append(row)
+    assert 0 < sum(clipped) < len(clipped)  # both branches hit
+    assert loss.item() == pytest.approx(0.5 * python_agg(rows, mask.tolist(), mode), rel=1e-12)
+    assert metrics["vf_clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped), rel=1e-12)
+    assert metrics["vf_clipfrac"].dim() == 0 and not metrics["vf_clipfrac"].requires_grad
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_modes_with_and_without_global_norm(mode):
+    loss_mat = torch.randn(4, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 0]],
+                        dtype=torch.float64)  # includes an empty row and a hole
+    rows, m = loss_mat.tolist(), mask.tolist()
+    assert agg_loss(loss_mat, mask, mode).item() == pytest.approx(python_agg(rows, m, mode), rel=1e-12)
+    got = agg_loss(loss_mat, mask.bool(), mode, global_norm=37.0, horizon=16)
+    assert got.item() == pytest.approx(python_agg(rows, m, mode, global_norm=37.0, horizon=16), rel=1e-12)
+
+
+def test_agg_loss_global_norm_makes_micro_batches_add_up():
+    """Splitting a batch into micro-batches and summing their losses with the global count as
+    global_norm (what gradient accumulation does) equals the whole-batch loss."""
+    loss_mat = torch.randn(6, 5, dtype=torch.float64)
+    mask = (torch.rand(6, 5) > 0.3).double()
+    for mode in LOSS_AGG_MODES:
+        whole = agg_loss(loss_mat, mask, mode)
+        norm = mask.sum() if mode == "token-mean" else 6
+        parts = sum(agg_loss(loss_mat[s], mask[s], mode, global_norm=norm)
+                    for s in (slice(0, 1), slice(1, 4), slice(4, 6)))
+        assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+def test_agg_loss_unknown_mode():
+    with pytest.raises(ValueError) as err:
+        agg_loss(torch.zeros(2, 2), torch.ones(2, 2), "seq-sum")
+    for mode in LOSS_AGG_MODES:
+        assert mode in str(err.value)
+
+
+def test_entropy_matches_float64_sum():
+    logits = torch.randn(3, 4, 11) * 3
+    ent = entropy_from_logits(logits.double())
+    ent32 = entropy_from_logits(logits)
+    for i in range(3):
+        for t in range(4):
+            z = logits[i, t].double().tolist()
+            mx = max(z)
+            zsum = sum(math.exp(v - mx) for v in z)
+            p = [math.exp(v - mx) / zsum for v in z]
+            h = -sum(pi * math.log(pi) for pi in p if pi > 0)
+            assert ent[i, t].item() == pytest.approx(h, rel=1e-12)
+            assert ent32[i, t].item() == pytest.approx(h, rel=1e-5, abs=1e-6)
+
+
+def test_logprobs_from_logits_matches_log_softmax_gather():
+    logits = (torch.randn(3, 5, 50, dtype=torch.float64) * 4).requires_grad_(True)
+    labels = torch.randint(0, 50, (3, 5))
+    lp = logprobs_from_logits(logits, labels)
+    ref = F.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lp, ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(3, 5, dtype=torch.float64)
+    g, = torch.autograd.grad((lp * w).sum(), logits)
+    g_ref, = torch.autograd.grad((ref * w).sum(), logits)
+    torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+    lp32 = logprobs_from_logits(logits.detach().float(), labels)
+    torch.testing.assert_close(lp32.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_explained_variance_matches_numpy():
+    returns = torch.randn(4, 8, dtype=torch.float64) * 2
+    values = returns + torch.randn(4, 8, dtype=torch.float64) * 0.7
+    mask = torch.ones(4, 8, dtype=torch.float64)
+    mask[2, 5:] = 0.0
+    values[2, 5:] = 1e6  # padding must not count
+    ev = explained_variance(values, returns, mask)
+    r, v = returns.numpy()[mask.numpy() > 0], values.numpy()[mask.numpy() > 0]
+    assert ev.item() == pytest.approx(1 - np.var(r - v) / np.var(r), rel=1e-12)
+    assert ev.dim() == 0
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
