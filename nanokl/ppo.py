@@ -75,9 +75,8 @@ without global_norm/horizon) equal python-loop reductions; entropy and logprobs 
 
 import torch
 
+from nanokl.config import LOSS_AGG_MODES  # declared with the config, which validates it
 from nanokl.gae import masked_mean, masked_var
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None):
