@@ -48,6 +48,7 @@ sampling frequencies pass a chi-square test; EOS and masks) and tests/test_rollo
 replay equals eager; a weight update is seen by the replayed graph).
 """
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -231,17 +232,17 @@ def _repeat_rows(cache, B, n):
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs: one captured decode step per batch-size bucket, replayed with static buffers.
 
-_ENGINES = {}
+_ENGINES = weakref.WeakKeyDictionary()  # model -> its GraphEngine, dropped with the model
 
 
 def _graph_engine(model, rows, max_len, dtype):
     """The engine of this model, (re)built when it is too small or its weights moved."""
-    eng = _ENGINES.get(id(model))
+    eng = _ENGINES.get(model)
     if eng is None or not eng.fits(model, rows, max_len, dtype):
         if eng is not None:
             eng.graphs.clear()
         eng = GraphEngine(model, rows, max_len, dtype)
-        _ENGINES[id(model)] = eng
+        _ENGINES[model] = eng
     return eng
 
 

@@ -182,3 +182,28 @@ def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p):
     assert chi2 < chi2_critical(len(keep) - 1)
     # the recorded log-prob is of the unfiltered temperature-scaled distribution
     assert torch.allclose(logp.double(), p.log()[tokens], atol=1e-6)
+
+
+def test_generate_cli(tmp_path):
+    """generate.py prints n completions per prompt, and a missing model directory exits 2 in one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nanokl.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([f"Q: {a} + {b} = ?\nA: {a + b}" for a in range(30) for b in range(30)], vocab_size=120)
+    cfg = M.ModelConfig(model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e4)
+    M.save_pretrained(M.init_weights(M.CausalLM(cfg)), tmp_path / "m")
+    tok.save(tmp_path / "m")
+    (tmp_path / "p.txt").write_text("Q: 1 + 2 = ?\nQ: 3 + 4 = ?\n")
+    script = Path(__file__).resolve().parents[1] / "generate.py"
+    run = subprocess.run([sys.executable, script, "--model", tmp_path / "m", "--prompts", tmp_path / "p.txt",
+                          "--n", "2", "--max-new-tokens", "5"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("=== prompt") == 4 and "Q: 3 + 4 = ?" in run.stdout
+    bad = subprocess.run([sys.executable, script, "--model", tmp_path / "nope", "--prompt", "x"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [f"error: model directory '{tmp_path / 'nope'}' does not exist"]

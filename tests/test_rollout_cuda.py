@@ -56,12 +56,12 @@ def test_in_place_weight_update_is_seen_by_the_graph():
     ids, mask = prompts(4)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=True)
     before = generate(m, ids, mask, 16, **kw)
-    engine = _ENGINES[id(m)]
+    engine = _ENGINES[m]
     with torch.no_grad():  # what optimizer.step() does: new values, same storage
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     after = generate(m, ids, mask, 16, **kw)
-    assert _ENGINES[id(m)] is engine  # no re-capture was needed
+    assert _ENGINES[m] is engine  # no re-capture was needed
     eager = generate(m, ids, mask, 16, **{**kw, "use_cuda_graph": False})
     assert torch.equal(after.responses, eager.responses)
     assert not torch.equal(after.responses, before.responses)
@@ -72,11 +72,11 @@ def test_moved_weights_are_captured_again():
     ids, mask = prompts(2)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=True)
     generate(m, ids, mask, 8, **kw)
-    engine = _ENGINES[id(m)]
+    engine = _ENGINES[m]
     for p in m.parameters():  # rebinding: new storage, which a captured graph would not see
         p.data = p.data.clone() * 1.1
     out = generate(m, ids, mask, 8, **kw)
-    assert _ENGINES[id(m)] is not engine
+    assert _ENGINES[m] is not engine
     eager = generate(m, ids, mask, 8, **{**kw, "use_cuda_graph": False})
     assert torch.equal(out.responses, eager.responses)
 
