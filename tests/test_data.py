@@ -1,0 +1,292 @@
+"""nanokl.data: the synthetic task against a hand parser, GSM8K loading against the raw files,
+one-line errors for bad rows, stateless batches, and prompts that round-trip the tokenizer."""
+
+import json
+import sys
+
+import pytest
+
+from nanokl.config_io import UserError
+from nanokl.data import (GSM8K_INSTRUCTION, ArithDifficulty, _permutation, batch_indices, build_prompts,
+                         filter_overlong, load_examples, make_arith_task, steps_per_epoch, task_texts)
+from nanokl.tokenizer import train_tokenizer
+
+# ---------------------------------------------------------------------------------------------
+# The synthetic task
+# ---------------------------------------------------------------------------------------------
+
+
+def hand_parse(expr):
+    """'37+48*2-12' -> ([37, 48, 2, 12], ['+', '*', '-']), one character at a time."""
+    nums, ops, cur = [], [], ""
+    for ch in expr:
+        if ch.isdigit():
+            cur += ch
+        else:
+            nums.append(int(cur))
+            ops.append(ch)
+            cur = ""
+    nums.append(int(cur))
+    return nums, ops
+
+
+def hand_value(nums, ops):
+    """Sum of signed products: the school rule, written independently of data._solve."""
+    total, sign, term = 0, 1, nums[0]
+    for op, n in zip(ops, nums[1:]):
+        if op == "*":
+            term *= n
+        else:
+            total += sign * term
+            sign, term = (1 if op == "+" else -1), n
+    return total + sign * term
+
+
+def check_demo(ex):
+    assert ex["prompt"].startswith("Q: ") and ex["prompt"].endswith("=?\nA:")
+    nums, ops = hand_parse(ex["prompt"][3:-5])
+    answer = hand_value(nums, ops)
+    assert ex["ground_truth"] == str(answer) and ex["data_source"] == "arith"
+    *steps, last = ex["solution"][1:].split("\n")
+    assert last == f"#### {answer}"
+    assert len(steps) == len(ops)  # one step per operator
+    for step in steps:  # every step is a true equation "a op b=c"
+        lhs, rhs = step.split("=")
+        i = max(lhs.rfind(op) for op in "+-*")  # the operator (a leading digit is never an op here)
+        a, op, b = int(lhs[:i]), lhs[i], int(lhs[i + 1:])
+        assert int(rhs) == (a + b if op == "+" else a - b if op == "-" else a * b)
+    assert int(steps[-1].split("=")[1]) == answer
+
+
+def test_arith_is_deterministic_per_seed_and_differs_across_seeds():
+    a = make_arith_task(300, 60, seed=0)
+    assert a == make_arith_task(300, 60, seed=0)
+    b = make_arith_task(300, 60, seed=1)
+    assert [e["prompt"] for e in a[0]] != [e["prompt"] for e in b[0]]
+    assert [e["prompt"] for e in a[1]] != [e["prompt"] for e in b[1]]
+    # each split is its own stream: asking for more keeps the first ones
+    more = make_arith_task(500, 80, seed=0)
+    assert more[0][:300] == a[0] and more[1][:60] == a[1]
+
+
+def test_arith_splits_are_disjoint_even_across_seeds_and_in_a_tiny_problem_space():
+    tiny = ArithDifficulty(num_operands=2, max_operand=9, ops="+")  # only 100 problems exist
+    train0, val0 = make_arith_task(80, 8, seed=0, difficulty=tiny)
+    train1, _ = make_arith_task(80, 0, seed=1, difficulty=tiny)
+    val_prompts = {e["prompt"] for e in val0}
+    assert len(val_prompts) == 8 and len({e["prompt"] for e in train0}) == 80  # no repeats
+    assert not val_prompts & {e["prompt"] for e in train0 + train1}
+    train, val = make_arith_task(2000, 300, seed=3)
+    assert not {e["prompt"] for e in train} & {e["prompt"] for e in val}
+    with pytest.raises(UserError, match="cannot draw 95 train problems"):
+        make_arith_task(95, 0, seed=0, difficulty=tiny)
+    with pytest.raises(UserError, match="num_operands >= 2"):
+        make_arith_task(1, 1, seed=0, difficulty=ArithDifficulty(num_operands=1))
+
+
+@pytest.mark.parametrize("difficulty", [ArithDifficulty(), ArithDifficulty(4, 20, "+-*")])
+def test_arith_demonstrations_match_a_hand_parser(difficulty):
+    train, val = make_arith_task(400, 100, seed=7, difficulty=difficulty)
+    for ex in train + val:
+        check_demo(ex)
+    answers = [int(e["ground_truth"]) for e in train]
+    assert min(answers) < 0 < max(answers)  # negative answers do occur: "#### -5"
+    if "*" in difficulty.ops:
+        assert any("*" in e["prompt"] and "+" in e["prompt"] for e in train)
+
+
+def test_arith_default_responses_are_short_with_one_digit_per_token():
+    train, val = make_arith_task(2000, 200, seed=0)
+    tok = train_tokenizer(task_texts(train), vocab_size=300)
+    assert task_texts(train[:1]) == [train[0]["prompt"] + train[0]["solution"]]
+    lengths = [len(tok.encode_one(e["solution"])) for e in train + val]
+    prompt_lengths = [len(tok.encode_one(e["prompt"])) for e in train + val]
+    # worst case: 2+2 digits, intermediate and answer with up to 3 digits or a sign, written twice
+    assert max(lengths) <= 28 and sum(lengths) / len(lengths) < 25
+    assert max(prompt_lengths) <= 18
+
+
+# ---------------------------------------------------------------------------------------------
+# GSM8K files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gsm8k_test_file_loads_with_verl_preprocessing(gsm8k_dir):
+    examples = load_examples(gsm8k_dir / "test.jsonl")
+    raw = [json.loads(line) for line in open(gsm8k_dir / "test.jsonl", encoding="utf-8")]
+    assert len(examples) == len(raw) == 1319
+    for ex, row in zip(examples, raw):
+        assert ex["prompt"] == row["question"] + " " + GSM8K_INSTRUCTION
+        assert ex["ground_truth"] == row["answer"].split("####")[-1].strip().replace(",", "")
+        assert ex["data_source"] == "openai/gsm8k" and ex["solution"] == row["answer"]
+    assert examples[0]["ground_truth"] == "18"  # Janet's ducks: 16 - 3 - 4 = 9 eggs at $2
+    assert examples[0]["prompt"].endswith('farmers\' market? Let\'s think step by step and output '
+                                          'the final answer after "####".')
+    both = load_examples([gsm8k_dir / "test.jsonl", gsm8k_dir / "train.jsonl"])
+    assert len(both) == 1319 + 7473 and both[:1319] == examples
+
+
+def write(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+GOOD = json.dumps({"question": "What is 2+2?", "answer": "2+2=4\n#### 4"})
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"question": "x", "answer": ', "bad JSON"),
+    ('{"question": "What is 2+2?"}', "missing field 'answer'"),
+    ('{"question": 5, "answer": "#### 5"}', "field 'question' must be str, got int"),
+    ('{"question": "q", "answer": "no final answer"}', "no '#### <number>' final answer"),
+    ('[1, 2]', "a row must be a JSON object"),
+    ('{"prompt": "q", "data_source": "openai/gsm8k"}', "missing field 'reward_model'"),
+    ('{"prompt": "q", "data_source": "x", "reward_model": {"style": "rule"}}', "missing field 'ground_truth'"),
+    ('{"prompt": "q", "data_source": "x", "reward_model": {"ground_truth": [1]}}', "must be str or int, got list"),
+    ('{"prompt": [{"role": "assistant", "content": "hi"}], "data_source": "x", "reward_model": '
+     '{"ground_truth": "1"}}', "roles ['assistant']"),
+    ('{"other": 1}', "missing field 'prompt'"),
+])
+def test_a_bad_row_names_file_and_line(tmp_path, bad, message):
+    # line 2 is blank: lines are counted in the file, as an editor counts them
+    path = write(tmp_path / "train.jsonl", [GOOD, "", GOOD, bad, GOOD])
+    with pytest.raises(UserError) as err:
+        load_examples(path)
+    text = str(err.value)
+    assert text.startswith(f"{path}:4: ") and message in text and "\n" not in text
+
+
+def test_missing_file_unknown_suffix_and_empty_file(tmp_path):
+    with pytest.raises(UserError, match="data file not found: .*nope.jsonl"):
+        load_examples(tmp_path / "nope.jsonl")
+    with pytest.raises(UserError, match="unknown data file type '.csv'"):
+        load_examples(write(tmp_path / "a.csv", ["q,a"]))
+    with pytest.raises(UserError, match="no examples"):
+        load_examples(write(tmp_path / "empty.jsonl", [""]))
+
+
+VERL_ROWS = [
+    {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "Q1"}], "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "18"}, "extra_info": {"index": 0}},
+    {"data_source": "arith", "prompt": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Q2"}],
+     "reward_model": {"style": "rule", "ground_truth": -5}},
+    {"data_source": "openai/gsm8k", "prompt": "Q3 as a plain string", "reward_model": {"ground_truth": "1000"}},
+]
+VERL_EXPECTED = [
+    {"prompt": "Q1", "ground_truth": "18", "data_source": "openai/gsm8k"},
+    {"prompt": "Q2", "ground_truth": "-5", "data_source": "arith", "system_prompt": "Be brief."},
+    {"prompt": "Q3 as a plain string", "ground_truth": "1000", "data_source": "openai/gsm8k"},
+]
+
+
+def test_verl_style_rows_jsonl_json_array_and_keys(tmp_path):
+    assert load_examples(write(tmp_path / "v.jsonl", [json.dumps(r) for r in VERL_ROWS])) == VERL_EXPECTED
+    (tmp_path / "v.json").write_text(json.dumps(VERL_ROWS, indent=1))
+    assert load_examples(str(tmp_path / "v.json")) == VERL_EXPECTED
+    renamed = [{"question_text": "Q", "task": "arith", "reward_model": {"ground_truth": "3"}}]
+    got = load_examples(write(tmp_path / "r.jsonl", [json.dumps(r) for r in renamed]),
+                        prompt_key="question_text", reward_fn_key="task")
+    assert got == [{"prompt": "Q", "ground_truth": "3", "data_source": "arith"}]
+
+
+def test_parquet_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    rows = [dict(r, prompt=r["prompt"] if isinstance(r["prompt"], list) else [{"role": "user", "content": r["prompt"]}],
+                 reward_model={"ground_truth": str(r["reward_model"]["ground_truth"])}) for r in VERL_ROWS]
+    pq.write_table(pa.Table.from_pylist([{k: r[k] for k in ("data_source", "prompt", "reward_model")}
+                                         for r in rows]), tmp_path / "v.parquet")
+    assert load_examples(tmp_path / "v.parquet") == VERL_EXPECTED
+    rows[1]["reward_model"] = None
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(UserError, match=r"bad.parquet:row 1: field 'reward_model' must be dict, got NoneType"):
+        load_examples(tmp_path / "bad.parquet")
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow...` raise ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    with pytest.raises(UserError, match=r"t.parquet: reading Parquet needs pyarrow \(pip install pyarrow\)"):
+        load_examples(tmp_path / "t.parquet")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------
+
+
+def test_each_epoch_covers_every_index_once():
+    n, bs = 10, 3
+    assert steps_per_epoch(n, bs, drop_last=False) == 4 and steps_per_epoch(n, bs) == 3
+    epochs = []
+    for e in range(3):
+        batches = [batch_indices(n, bs, e * 4 + k, seed=5, drop_last=False) for k in range(4)]
+        assert [len(b) for b in batches] == [3, 3, 3, 1]
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(n))
+        epochs.append(flat)
+    assert epochs[0] != epochs[1] != epochs[2]  # a fresh permutation per epoch
+    for e in range(2):  # drop_last: three disjoint full batches, one index left out per epoch
+        batches = [batch_indices(n, bs, e * 3 + k, seed=5) for k in range(3)]
+        flat = [i for b in batches for i in b]
+        assert [len(b) for b in batches] == [3, 3, 3] and len(set(flat)) == 9 and set(flat) <= set(range(n))
+
+
+def test_batches_are_a_pure_function_of_step_and_seed():
+    run = [batch_indices(1000, 64, s, seed=1) for s in range(40)]
+    _permutation.cache_clear()  # as after a restart: step 23 alone gives the same batch
+    assert batch_indices(1000, 64, 23, seed=1) == run[23]
+    assert batch_indices(1000, 64, 23, seed=2) != run[23]
+    assert batch_indices(10, 4, 1, seed=0, shuffle=False) == [4, 5, 6, 7]
+    assert batch_indices(10, 4, 2, seed=0, shuffle=False) == [0, 1, 2, 3]  # epoch 1 starts over
+    with pytest.raises(UserError, match="cannot fill one batch"):
+        batch_indices(3, 4, 0, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts -> token ids
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok():
+    train, _ = make_arith_task(500, 0, seed=0)
+    return train_tokenizer(task_texts(train) + ["Be brief. system user assistant"], vocab_size=300)
+
+
+def test_build_prompts_left_pads_and_round_trips(tok):
+    examples = [{"prompt": "Q: 1+2=?\nA:"}, {"prompt": "Q: 37+48-12=?\nA:"},
+                {"prompt": "Q: 5-9=?\nA:", "system_prompt": "Be brief."}]
+    for template, expected in [
+        ("plain", ["Q: 1+2=?\nA:", "Q: 37+48-12=?\nA:", "Be brief.\nQ: 5-9=?\nA:"]),
+        ("chatml", ["<|im_start|>user\nQ: 1+2=?\nA:<|im_end|>\n<|im_start|>assistant\n",
+                    "<|im_start|>user\nQ: 37+48-12=?\nA:<|im_end|>\n<|im_start|>assistant\n",
+                    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ: 5-9=?\nA:<|im_end|>\n"
+                    "<|im_start|>assistant\n"]),
+    ]:
+        ids, mask = build_prompts(examples, tok, template, max_length=64, truncation="error")
+        lengths = [len(tok.encode_one(t)) for t in expected]
+        assert ids.shape == mask.shape == (3, max(lengths))
+        for b, n in enumerate(lengths):
+            pad = ids.shape[1] - n
+            assert mask[b, :pad].eq(0).all() and mask[b, pad:].eq(1).all()
+            assert ids[b, :pad].eq(tok.pad_token_id).all()
+        assert tok.batch_decode(ids, mask, skip_special_tokens=False) == expected
+    # a run-wide system prompt applies where the row brings none
+    ids, mask = build_prompts(examples[:1], tok, "plain", system_prompt="Be brief.")
+    assert tok.batch_decode(ids, mask) == ["Be brief.\nQ: 1+2=?\nA:"]
+
+
+def test_filter_overlong_keeps_exactly_the_prompts_that_fit(tok):
+    short, _ = make_arith_task(20, 0, seed=2, difficulty=ArithDifficulty(2, 9, "+-"))
+    long, _ = make_arith_task(20, 0, seed=2, difficulty=ArithDifficulty(4, 999, "+-"))
+    train = [e for pair in zip(short, long) for e in pair]  # interleaved, so order must be kept
+    lengths = [len(tok.encode_one(e["prompt"])) for e in train]
+    limit = sorted(lengths)[len(lengths) // 2]
+    kept = filter_overlong(train, tok, "plain", limit)
+    assert kept == [e for e, n in zip(train, lengths) if n <= limit] and 0 < len(kept) < len(train)
+    build_prompts(kept, tok, "plain", max_length=limit)  # fits: no error
+    with pytest.raises(UserError, match=f"over data.max_prompt_length={limit}"):
+        build_prompts(train, tok, "plain", max_length=limit)
