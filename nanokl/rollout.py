@@ -83,18 +83,19 @@ def filter_logits(logits, top_k=-1, top_p=1.0):
 
 
 def sample_tokens(logits, temperature=1.0, top_k=-1, top_p=1.0, do_sample=True, generator=None):
-    """Next token and its log-prob (under the unfiltered temperature-scaled distribution)."""
+    """Next token and its log-prob (under the unfiltered temperature-scaled distribution).
+
+    log p(token) = logit[token] - logsumexp(logits): one gather and one reduction, rather than
+    a whole [B, V] log-softmax that would be written out only to read one entry per row."""
     logits = logits.float()
     if not do_sample or temperature == 0:
-        logp = logits.log_softmax(-1)
         token = logits.argmax(-1)
     else:
         logits = logits / temperature
-        logp = logits.log_softmax(-1)
         probs = filter_logits(logits, top_k, top_p).softmax(-1)
         noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
         token = (probs / noise).argmax(-1)  # Exp(1) race: a categorical draw with no host sync
-    return token, logp.gather(-1, token[:, None])[:, 0]
+    return token, logits.gather(-1, token[:, None])[:, 0] - logits.logsumexp(-1)
 
 
 class DecodeState:
@@ -170,7 +171,7 @@ def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, 
     # 1. prefill the B prompts once; repeat their cache rows (and last logits) n times
     mask = attention_mask.bool()
     prompt_pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    prefill_cache = _rows(cache, B)
+    prefill_cache = cache.view(rows=B)
     logits = model(input_ids, mask, prompt_pos, cache=prefill_cache, cache_positions=torch.arange(P, device=dev),
                    logits_to_keep=1)[:, -1]
     if n > 1:
@@ -193,7 +194,8 @@ def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, 
         if use_cuda_graph:
             graph.replay()
         else:
-            decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator)
+            # attend over the P + steps filled slots only (a graph must keep the full cache)
+            decode_step(model, cache.view(slots=P + steps), state, eos_ids, pad_token_id, sampling, generator)
         steps += 1
 
     # 3. trim to the columns that have a real token somewhere, and build the training inputs
@@ -213,13 +215,6 @@ def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, 
         log_probs=log_probs,
         prompt_length=P,
     )
-
-
-def _rows(cache, n):
-    """The first n rows of a cache, sharing its storage."""
-    view = KVCache.__new__(KVCache)
-    view.k, view.v, view.valid = cache.k[:, :n], cache.v[:, :n], cache.valid[:n]
-    return view
 
 
 def _repeat_rows(cache, B, n):
@@ -276,7 +271,7 @@ class GraphEngine:
         return self.graphs[key][0]
 
     def _capture(self, model, bucket, eos_ids, pad_token_id, sampling, generator):
-        cache, state = _rows(self.cache, bucket), self.state.rows(bucket)
+        cache, state = self.cache.view(rows=bucket), self.state.rows(bucket)
         for t in (state.slot, state.col, state.positions, state.done):
             t.zero_()  # warm-up writes at slot/column 0..1; generate() re-initialises all of it after
         s = torch.cuda.Stream()

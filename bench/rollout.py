@@ -1,0 +1,283 @@
+"""Rollout throughput: nanokl vs a no-cache loop vs Hugging Face `generate`, side by side.
+
+    python bench/rollout.py                      # CPU: 4M and 25M models, batch 1/8/32
+    python bench/rollout.py --device cuda        # GPU: + 0.5B shape, batch 64/256, graphs on/off
+
+Every row decodes greedily from random-init Qwen2-shaped weights, EOS ignored, prompt 32 tokens,
+128 new tokens. The peers run the *same weights*: nanokl writes them with `save_pretrained`,
+`transformers` loads that directory. Columns: tokens/s = batch * new tokens / wall time of the
+whole generation (prefill included); peak memory = what the generation itself added (CUDA:
+`max_memory_allocated` above the weights; CPU: peak RSS above the RSS before the call, each
+measurement in a fresh process so that no allocator cache hides memory). On CUDA the batch-1
+decode step is also compared with its memory-bandwidth floor: (weight bytes + KV-cache bytes)
+over the device-to-device copy bandwidth measured in the same run.
+
+The implementations:
+  nanokl        nanokl.rollout.generate: one prefill, fixed-shape decode on the static KV cache
+                (and CUDA graphs on CUDA)
+  nanokl-eager  the same on CUDA without graphs (to show what the graphs buy)
+  naive         nanokl's model re-run on the whole sequence for every new token (no cache)
+  hf            transformers' model.generate(do_sample=False) with its default dynamic cache
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanokl import model as M  # noqa: E402
+from nanokl.rollout import generate  # noqa: E402
+
+SHAPES = {  # Qwen2-shaped (GQA, qkv bias, tied embeddings); parameter counts printed in the table
+    "4m": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2),
+    "25m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=2),
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2),  # Qwen2.5-0.5B's shape
+}
+
+
+def make_checkpoint(size, root):
+    path = Path(root) / size
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        cfg = M.ModelConfig(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6,
+                            max_position_embeddings=4096, **SHAPES[size])
+        M.save_pretrained(M.init_weights(M.CausalLM(cfg)), path)
+    return path
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Sample the resident set every millisecond while generation runs (CPU peak memory)."""
+
+    def __enter__(self):
+        self.base, self.peak, self.stop = rss_bytes(), rss_bytes(), False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+        return self
+
+    def _run(self):
+        while not self.stop:
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.stop = True
+        self.t.join()
+        self.added = self.peak - self.base
+
+
+def naive_generate(model, ids, new_tokens):
+    """The baseline with no cache: the whole sequence through the model for every token."""
+    for _ in range(new_tokens):
+        nxt = model(ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], 1)
+    return ids
+
+
+def load(impl, args, dev):
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    path = make_checkpoint(args.size, args.ckpt_dir)
+    if impl == "hf":
+        import transformers
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+    return M.from_pretrained(path, device=dev, dtype=dtype).eval()
+
+
+def runner(impl, model, args, dev):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, SHAPES[args.size]["vocab_size"], (args.batch, args.prompt_len), generator=g).to(dev)
+    mask = torch.ones_like(ids)
+    N = args.new_tokens
+
+    @torch.inference_mode()
+    def run():
+        if impl == "hf":
+            return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=N, min_new_tokens=N,
+                                  eos_token_id=None, pad_token_id=0)
+        if impl == "naive":
+            return naive_generate(model, ids, N)
+        return generate(model, ids, mask, N, do_sample=False, eos_token_id=None, pad_token_id=0,
+                        use_cuda_graph=impl == "nanokl")
+    return run
+
+
+def worker(args):
+    """Timing: every implementation loaded in this one process, run in alternation for `rounds`
+    rounds (after one warm-up each), so that a slow spell of a shared machine hits all of them
+    alike; each keeps its best round. The naive loop is timed once: it is slow and its ratio to
+    the others is large. Prints one JSON line per implementation."""
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    impls = args.impls.split(",")
+    models = {i: load(i, args, dev) for i in impls}
+    runs = {i: runner(i, models[i], args, dev) for i in impls}
+    best = {}
+    for rnd in range(args.rounds + 1):  # round 0 warms up (and captures graphs); it is not timed
+        for impl in impls:
+            if impl == "naive" and rnd > 1:
+                continue
+            sync()
+            t = time.perf_counter()
+            runs[impl]()
+            sync()
+            dt = time.perf_counter() - t
+            if rnd > 0 or (impl == "naive" and args.rounds == 0):
+                best[impl] = min(best.get(impl, dt), dt)
+    for impl in impls:
+        params = sum(p.numel() for p in models[impl].parameters())
+        out = dict(impl=impl, size=args.size, batch=args.batch, params=params, seconds=best[impl],
+                   tok_s=args.batch * args.new_tokens / best[impl])
+        if dev.type == "cuda" and args.batch == 1 and impl == "nanokl":
+            out.update(bandwidth_floor(models[impl], args))
+        print(json.dumps(out), flush=True)
+
+
+def memory_worker(args):
+    """Peak memory of one generation, in a fresh process with one implementation (CPU: freed pages
+    would otherwise be reused and hide the peak; CUDA: max_memory_allocated above the weights)."""
+    dev = torch.device(args.device)
+    model = load(args.impl, args, dev)
+    run = runner(args.impl, model, args, dev)
+    if dev.type == "cuda":
+        run()  # CUDA graphs: capture first, so the peak is the steady state's
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        added = torch.cuda.max_memory_allocated() - base
+    else:
+        with PeakRSS() as mem:
+            run()
+        added = mem.added
+    print(json.dumps(dict(impl=args.impl, peak_mb=added / 2**20)), flush=True)
+
+
+def bandwidth_floor(model, args):
+    """Batch-1 decode step time vs its floor: bytes that must be read per step / copy bandwidth."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 20 / (time.perf_counter() - t)  # read + write bytes per second
+    cfg = model.config
+    w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * (args.prompt_len + args.new_tokens)
+    # time one decode step: (generation of N tokens - generation of 1 token) / (N - 1)
+    ids = torch.randint(3, cfg.vocab_size, (1, args.prompt_len), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def timed(n):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            generate(model, ids, mask, n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    step = (timed(args.new_tokens) - timed(1)) / (args.new_tokens - 1)
+    floor = (w_bytes + kv_bytes) / bw
+    return dict(copy_gb_s=bw / 1e9, step_ms=step * 1e3, floor_ms=floor * 1e3, step_over_floor=step / floor)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sizes", default=None, help="comma list of 4m,25m,0.5b (default: CPU 4m,25m; CUDA all)")
+    ap.add_argument("--batches", default=None, help="comma list (default: CPU 1,8,32; CUDA 1,8,32,64,256)")
+    ap.add_argument("--impls", default=None, help="comma list of nanokl,nanokl-eager,naive,hf")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds, implementations alternating; best kept")
+    ap.add_argument("--naive-max-batch", type=int, default=1 << 30, help="skip the naive loop above this batch")
+    ap.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "nanokl_bench_ckpts"))
+    ap.add_argument("--out", default=None, help="also write the markdown table and JSON rows here")
+    ap.add_argument("--worker", choices=["time", "memory"], help=argparse.SUPPRESS)
+    ap.add_argument("--impl", help=argparse.SUPPRESS)
+    ap.add_argument("--size", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker == "time":
+        return worker(args)
+    if args.worker == "memory":
+        return memory_worker(args)
+
+    cuda = args.device.startswith("cuda")
+    sizes = (args.sizes or ("4m,25m,0.5b" if cuda else "4m,25m")).split(",")
+    batches = [int(b) for b in (args.batches or ("1,8,32,64,256" if cuda else "1,8,32")).split(",")]
+    impls = (args.impls or ("nanokl,nanokl-eager,naive,hf" if cuda else "nanokl,naive,hf")).split(",")
+    args.impls = ",".join(impls)
+    rows = []
+    print(f"# rollout benchmark: device={args.device} prompt={args.prompt_len} new={args.new_tokens} "
+          f"torch={torch.__version__} threads={torch.get_num_threads()}", flush=True)
+    common = ["--device", args.device, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+              "--ckpt-dir", args.ckpt_dir]
+    for size in sizes:
+        make_checkpoint(size, args.ckpt_dir)
+        for batch in batches:
+            # naive at the biggest CPU shapes takes minutes per run; --naive-max-batch bounds it
+            todo = [i for i in impls if i != "naive" or batch <= args.naive_max_batch]
+            cmd = [sys.executable, __file__, "--worker", "time", "--impls", ",".join(todo), "--size", size,
+                   "--batch", str(batch), "--rounds", str(args.rounds)] + common
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                print(f"{size} b{batch} failed:\n{res.stderr[-3000:]}", flush=True)
+                continue
+            got = [json.loads(line) for line in res.stdout.strip().splitlines() if line.startswith("{")]
+            for row in got:
+                mem = subprocess.run([sys.executable, __file__, "--worker", "memory", "--impl", row["impl"], "--size",
+                                      size, "--batch", str(batch)] + common, capture_output=True, text=True)
+                row["peak_mb"] = json.loads(mem.stdout.strip().splitlines()[-1])["peak_mb"] if mem.returncode == 0 \
+                    else float("nan")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    table = format_table(rows, impls)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n\n```\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n")
+
+
+def format_table(rows, impls):
+    head = "| model | params | batch | " + " | ".join(f"{i} tok/s" for i in impls) + " | nanokl / hf | " + \
+           " | ".join(f"{i} peak MB" for i in impls) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    keys = sorted({(r["size"], r["batch"]) for r in rows}, key=lambda k: (list(SHAPES).index(k[0]), k[1]))
+    for size, batch in keys:
+        by = {r["impl"]: r for r in rows if r["size"] == size and r["batch"] == batch}
+        params = next(iter(by.values()))["params"]
+        ratio = by["nanokl"]["tok_s"] / by["hf"]["tok_s"] if "nanokl" in by and "hf" in by else float("nan")
+        lines.append(f"| {size} | {params / 1e6:.1f}M | {batch} | "
+                     + " | ".join(f"{by[i]['tok_s']:.0f}" if i in by else "-" for i in impls)
+                     + f" | {ratio:.2f}x | "
+                     + " | ".join(f"{by[i]['peak_mb']:.0f}" if i in by else "-" for i in impls) + " |")
+    floors = [r for r in rows if "floor_ms" in r]
+    for r in floors:
+        lines.append(f"\nbatch-1 decode step, {r['size']}: {r['step_ms']:.3f} ms vs floor {r['floor_ms']:.3f} ms "
+                     f"({r['step_over_floor']:.2f}x; copy bandwidth {r['copy_gb_s']:.0f} GB/s)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
