@@ -1,0 +1,194 @@
+"""The actor and the critic at work: micro-batched forwards and the PPO update loops.
+
+The idea
+--------
+After rollout, a PPO step runs the same few forwards over a batch of sequences
+`[prompt | response]` and then several epochs of gradient steps (Schulman et al. 2017):
+
+    old log-probs + entropy   actor, no grad       what π_old assigned to each sampled token
+    ref log-probs             reference, no grad   the anchor of the KL penalty
+    values                    critic, no grad      V(s_t) for GAE
+    update_actor              ppo_epochs x mini-batches x micro-batches of the clipped loss
+    update_critic             the same loop with the clipped value loss
+
+The log-prob of response token t comes from the logits at position P+t-1 (the token before it),
+divided by the sampling temperature so that it is the quantity the rollout recorded (design.md);
+only those R positions go through the LM head (`logits_to_keep`), which saves a [N, P, V] matrix.
+Values are read at the same positions: V(s_t) is the critic's output on the prefix that
+precedes token t.
+
+Mini- and micro-batches (verl's names). A mini-batch is what one optimizer step sees
+(`ppo_mini_batch_size` prompts x `rollout.n` responses); it is cut into micro-batches of
+`ppo_micro_batch_size_per_gpu` responses whose gradients accumulate. Each micro-batch's loss is
+aggregated with the *mini-batch's* denominator (`global_norm`: its token count for token-mean,
+its sequence count for the seq-mean modes; see nanokl/ppo.py), so the accumulated gradient is
+exactly the gradient of the mini-batch loss, whatever the micro-batch size.
+
+A mini-batch whose loss or gradient is not finite (a NaN from an overflow, a bad sample) is
+skipped: its gradients are dropped and `actor/nan_skipped` counts it; the training loop stops the
+run after three such steps in a row (train_ppo.py). This mirrors verl's dp_actor.py /
+dp_critic.py (`compute_log_prob`, `update_policy`, `compute_values`, `update_critic`).
+
+tests/test_actor.py checks that the micro-batched gradient equals the one-batch gradient for every
+loss_agg_mode, and that the log-probs equal a per-sequence float64 reference.
+"""
+
+import contextlib
+from collections import defaultdict
+
+import torch
+
+from nanokl.kl import kl_penalty
+from nanokl.ppo import (agg_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
+                        logprobs_from_logits)
+
+
+def autocast(device):
+    """bf16 autocast on CUDA (fp32 master weights stay fp32), plain fp32 on CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def take(batch: dict, idx) -> dict:
+    """The rows `idx` of every [N, ...] tensor of a batch."""
+    return {k: v[idx] for k, v in batch.items()}
+
+
+def micro_batches(batch: dict, size):
+    n = len(batch["responses"])
+    size = size or n
+    for i in range(0, n, size):
+        yield {k: v[i:i + size] for k, v in batch.items()}
+
+
+def response_logits(model, mb, temperature):
+    """Logits that predict each response token, fp32, divided by the temperature: [n, R, V]."""
+    R = mb["responses"].shape[1]
+    logits = model(mb["sequences"], mb["attention_mask"], mb["position_ids"], logits_to_keep=R + 1)
+    return logits[:, :-1].float() / temperature
+
+
+@torch.no_grad()
+def compute_log_probs(model, batch, temperature, micro_size=None, with_entropy=False):
+    """Log-prob of each response token under `model` ([N, R]), and its entropy if asked."""
+    logps, ents = [], []
+    dev = batch["sequences"].device
+    for mb in micro_batches(batch, micro_size):
+        with autocast(dev):
+            logits = response_logits(model, mb, temperature)
+        logps.append(logprobs_from_logits(logits, mb["responses"]))
+        if with_entropy:
+            ents.append(entropy_from_logits(logits))
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def critic_values(critic, mb):
+    R = mb["responses"].shape[1]
+    return critic(mb["sequences"], mb["attention_mask"], mb["position_ids"])[:, -R - 1:-1].float()
+
+
+@torch.no_grad()
+def compute_values(critic, batch, micro_size=None):
+    dev = batch["sequences"].device
+    out = []
+    for mb in micro_batches(batch, micro_size):
+        with autocast(dev):
+            out.append(critic_values(critic, mb))
+    return torch.cat(out)
+
+
+def loss_norm(mask, mode):
+    """The mini-batch denominator of `agg_loss` (see nanokl/ppo.py): tokens or sequences."""
+    return mask.sum() if mode == "token-mean" else torch.tensor(float(mask.shape[0]), device=mask.device)
+
+
+def _minibatches(n, mini_size, epochs, shuffle, generator):
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+        yield from order.split(mini_size)
+
+
+def _step(model, opt, grad_clip, finite_losses, metrics, prefix):
+    """Clip and apply the accumulated gradient, or drop it when anything was not finite."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if finite_losses and torch.isfinite(grad_norm):
+        opt.step()
+        metrics[f"{prefix}/grad_norm"].append(grad_norm.item())
+    else:
+        metrics[f"{prefix}/nan_skipped"].append(1.0)
+    opt.zero_grad(set_to_none=True)
+
+
+def update_actor(actor, opt, batch, a, temperature, mini_size, generator=None, horizon=None) -> dict:
+    """PPO epochs over the batch with the clipped policy loss (+ KL loss, - entropy bonus).
+
+    `a` is the config's actor_rollout_ref.actor; `batch` holds sequences, attention_mask,
+    position_ids, responses, response_mask, old_log_probs, advantages (and ref_log_probs when
+    a.use_kl_loss); `mini_size` counts responses (ppo_mini_batch_size x rollout.n). Returns lists of per-mini-batch metric values under verl's names."""
+    metrics = defaultdict(list)
+    mode = a.loss_agg_mode
+    dev = batch["sequences"].device
+    for idx in _minibatches(len(batch["responses"]), mini_size, a.ppo_epochs, a.shuffle, generator):
+        mb_all = take(batch, idx)
+        norm = loss_norm(mb_all["response_mask"], mode)
+        finite, totals = True, defaultdict(float)
+        for mb in micro_batches(mb_all, a.ppo_micro_batch_size_per_gpu):
+            mask = mb["response_mask"]
+            with autocast(dev):
+                logits = response_logits(actor, mb, temperature)
+            logp = logprobs_from_logits(logits, mb["responses"])
+            pg_loss, m = compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask,
+                                             a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, mode,
+                                             global_norm=norm, horizon=horizon)
+            loss = pg_loss
+            if a.entropy_coeff:
+                entropy = agg_loss(entropy_from_logits(logits), mask, mode, global_norm=norm, horizon=horizon)
+                loss = loss - a.entropy_coeff * entropy
+            if a.use_kl_loss:
+                kl = kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type)
+                kl_loss = agg_loss(kl, mask, mode, global_norm=norm, horizon=horizon)
+                loss = loss + a.kl_loss_coef * kl_loss
+                totals["actor/kl_loss"] += kl_loss.item()
+            finite = finite and bool(torch.isfinite(loss))
+            if finite:
+                loss.backward()
+            share = mask.sum().item() / max(mb_all["response_mask"].sum().item(), 1)  # token share of the mini-batch
+            totals["actor/pg_loss"] += pg_loss.item()
+            for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                totals[f"actor/{k}"] += m[k].item() * share
+        _step(actor, opt, a.grad_clip, finite, metrics, "actor")
+        for k, v in totals.items():
+            metrics[k].append(v)
+    if a.use_kl_loss:
+        metrics["actor/kl_coef"].append(a.kl_loss_coef)
+    return metrics
+
+
+def update_critic(critic, opt, batch, c, mini_size, generator=None, horizon=None) -> dict:
+    """PPO epochs over the batch with the clipped value loss; `c` is the config's critic."""
+    metrics = defaultdict(list)
+    mode = c.loss_agg_mode
+    dev = batch["sequences"].device
+    for idx in _minibatches(len(batch["responses"]), mini_size, c.ppo_epochs, c.shuffle, generator):
+        mb_all = take(batch, idx)
+        norm = loss_norm(mb_all["response_mask"], mode)
+        finite, totals = True, defaultdict(float)
+        for mb in micro_batches(mb_all, c.ppo_micro_batch_size_per_gpu):
+            mask = mb["response_mask"]
+            with autocast(dev):
+                vpreds = critic_values(critic, mb)
+            loss, m = compute_value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, mode,
+                                         global_norm=norm, horizon=horizon)
+            finite = finite and bool(torch.isfinite(loss))
+            if finite:
+                loss.backward()
+            share = mask.sum().item() / max(mb_all["response_mask"].sum().item(), 1)
+            totals["critic/vf_loss"] += loss.item()
+            totals["critic/vf_clipfrac"] += m["vf_clipfrac"].item() * share
+            totals["critic/vpred_mean"] += (vpreds.detach() * mask).sum().item() / max(
+                mb_all["response_mask"].sum().item(), 1)
+        _step(critic, opt, c.grad_clip, finite, metrics, "critic")
+        for k, v in totals.items():
+            metrics[k].append(v)
+    return metrics

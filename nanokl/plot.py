@@ -1,0 +1,87 @@
+"""Plot a run: is the KL where the controller puts it, and is the policy learning?
+
+    python -m nanokl.plot runs/arith_tiny/ppo            # writes runs/arith_tiny/ppo/training.png
+
+Five panels over PPO steps, read from the run's metrics.jsonl (nanokl/tracking.py):
+  1. the per-token KL in the reward (`actor/reward_kl_penalty`) against `target_kl`, with the
+     KL monitor's healthy band shaded when the run's config has one (trainer.kl_monitor);
+  2. the KL coefficient beta the adaptive controller chose (`actor/reward_kl_penalty_coeff`);
+  3. the training score (`critic/score/mean`);
+  4. the policy's mean token entropy (`actor/entropy`);
+  5. held-out accuracy (`val-core/*/acc/mean@1`), greedy, at every validation.
+Needs matplotlib (`pip install -e ".[plot]"`).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from nanokl.config_io import UserError, run_cli
+from nanokl.tracking import read_metrics
+
+
+def series(rows, key):
+    pts = [(r["training/global_step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_run(run_dir, out=None) -> Path:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("nanokl.plot needs matplotlib: pip install -e '.[plot]'") from None
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise UserError(f"{run_dir}: no metrics.jsonl (is it a train_ppo.py run directory?)")
+    rows = read_metrics(run_dir)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    kl_ctrl = cfg.get("algorithm", {}).get("kl_ctrl", {})
+    monitor = cfg.get("trainer", {}).get("kl_monitor", {})
+
+    fig, axes = plt.subplots(5, 1, figsize=(8, 12), sharex=True)
+    ax = axes[0]
+    x, y = series(rows, "actor/reward_kl_penalty")
+    ax.plot(x, y, label="KL (per token, in reward)")
+    x2, y2 = series(rows, "actor/kl_loss")
+    if y2:
+        ax.plot(x2, y2, label="KL loss", alpha=0.7)
+    if kl_ctrl.get("type") == "adaptive":
+        ax.axhline(kl_ctrl["target_kl"], color="k", ls="--", lw=1, label=f"target_kl {kl_ctrl['target_kl']}")
+    if monitor.get("enable") and monitor.get("kl_band"):
+        lo, hi = monitor["kl_band"]
+        ax.axhspan(lo, hi, color="g", alpha=0.1, label="healthy band")
+    ax.set_ylabel("KL")
+    ax.legend(loc="upper left", fontsize=8)
+    panels = [("actor/reward_kl_penalty_coeff", "beta (KL coef)"), ("critic/score/mean", "train score"),
+              ("actor/entropy", "entropy")]
+    for ax, (key, label) in zip(axes[1:4], panels):
+        ax.plot(*series(rows, key))
+        ax.set_ylabel(label)
+    ax = axes[4]
+    for key in sorted({k for r in rows for k in r if k.startswith("val-core/") and k.endswith("acc/mean@1")}):
+        ax.plot(*series(rows, key), marker="o", label=key.split("/")[1])
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_ylabel("held-out acc (greedy)")
+    ax.set_xlabel("PPO step")
+    fig.suptitle(f"{run_dir}")
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "training.png"
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}", file=sys.stderr)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Plot KL vs target, beta, score, entropy and accuracy of a run.")
+    ap.add_argument("run_dir")
+    ap.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/training.png)")
+    args = ap.parse_args(argv)
+    plot_run(args.run_dir, args.out)
+
+
+if __name__ == "__main__":
+    run_cli(main)

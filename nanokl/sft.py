@@ -1,0 +1,132 @@
+"""Supervised warm start: the reference policy that PPO starts from and is regularised towards.
+
+The idea
+--------
+RLHF never starts from scratch: a pretrained model is first fine-tuned on demonstrations
+(supervised fine-tuning, SFT), and that SFT model becomes both PPO's initial policy and its
+reference π_ref, the anchor of the KL penalty (Ouyang et al. 2022, InstructGPT; Ziegler et al.
+2019). For the CPU course we have no pretrained model, so this file makes one: it trains a small
+byte-level BPE tokenizer on the synthetic task's texts (nanokl/tokenizer.py) and a tiny
+Qwen2-shaped decoder on its demonstrations (nanokl/data.py), then saves both in Hugging Face
+format, a directory that `transformers`, generate.py and train_ppo.py all load.
+
+The loss is next-token cross-entropy on the *response* only (solution + EOS): the prompt is
+given, not imitated, exactly as in verl's SFT trainer. With `sft.steps` kept short the model
+learns the format (chain of thought, `#### N`, EOS) and much of the arithmetic but stays clearly
+imperfect, which leaves PPO something to improve; the held-out greedy accuracy it reaches is
+printed and saved in `sft_metrics.json`.
+
+    python -m nanokl.sft                       # the default config (configs/arith_tiny.yaml)
+    python -m nanokl.sft --config C.yaml sft.steps=300
+
+train_ppo.py calls `train_sft(cfg)` itself when the default reference checkpoint is missing.
+tests/test_sft.py checks that the loss counts response tokens only (against a hand-computed
+cross-entropy) and that a short run saves a checkpoint that transformers loads.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from nanokl.config import parse_cli, run_cli
+from nanokl.data import build_prompts, make_arith_task, task_texts
+from nanokl.model import CausalLM, ModelConfig, init_weights, save_pretrained
+from nanokl.reward import score_response
+from nanokl.rollout import generate
+from nanokl.tokenizer import apply_template, train_tokenizer
+
+
+def encode_demos(examples, tok, template):
+    """(input_ids, attention_mask, loss_mask), right-padded: loss_mask is 1 on response tokens."""
+    rows = []
+    for ex in examples:
+        p = tok.encode_one(apply_template(ex["prompt"], template))
+        r = tok.encode_one(ex["solution"]) + [tok.eos_token_id]
+        rows.append((p, r))
+    T = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
+    attn = torch.zeros(len(rows), T, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, (p, r) in enumerate(rows):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, :len(p) + len(r)] = 1
+        loss_mask[i, len(p):len(p) + len(r)] = 1
+    return ids, attn, loss_mask
+
+
+def sft_loss(model, ids, attn, loss_mask):
+    """Mean cross-entropy of the response tokens: token t+1 predicted from positions <= t."""
+    logits = model(ids, attn)[:, :-1]
+    target, m = ids[:, 1:], loss_mask[:, 1:].float()
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none")
+    return (nll.view_as(m) * m).sum() / m.sum()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, examples, template, max_new_tokens, batch_size=256):
+    """Share of examples whose greedy response scores 1 under the task's rule."""
+    model.eval()
+    hits = 0.0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        ids, mask = build_prompts(chunk, tok, template, device=next(model.parameters()).device)
+        out = generate(model, ids, mask, max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_ids,
+                       pad_token_id=tok.pad_token_id)
+        texts = tok.batch_decode(out.responses, out.response_mask)
+        hits += sum(score_response(t, ex) for t, ex in zip(texts, chunk))
+    model.train()
+    return hits / max(len(examples), 1)
+
+
+def train_sft(cfg, progress=True) -> Path:
+    """Train tokenizer + tiny model on the built-in task's demonstrations; save to sft.output_dir."""
+    s, d = cfg.sft, cfg.data
+    device = torch.device("cuda" if cfg.trainer.device == "cuda" else "cpu")
+    torch.manual_seed(cfg.trainer.seed)
+    train, val = make_arith_task(s.num_examples, d.num_val, seed=cfg.trainer.seed)
+    tok = train_tokenizer(task_texts(train[:5000]), vocab_size=s.vocab_size)
+    mcfg = ModelConfig(model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=s.hidden_size,
+                       intermediate_size=s.intermediate_size, num_hidden_layers=s.num_hidden_layers,
+                       num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
+                       max_position_embeddings=s.max_position_embeddings, rope_theta=10000.0,
+                       tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = init_weights(CausalLM(mcfg), std=0.02).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, s.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine down to 10%
+        opt, lambda k: min(1.0, (k + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(k / s.steps, 1.0))))
+    ids, attn, loss_mask = encode_demos(train, tok, d.prompt_template)
+    gen = torch.Generator().manual_seed(cfg.trainer.seed)
+    bar = tqdm(range(s.steps), desc="sft warm start", disable=not progress, file=sys.stderr)
+    for _ in bar:
+        rows = torch.randint(0, len(train), (s.batch_size,), generator=gen)
+        T = int(attn[rows].sum(-1).max())  # trim the batch's common right padding
+        loss = sft_loss(model, ids[rows, :T].to(device), attn[rows, :T].to(device), loss_mask[rows, :T].to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    acc = greedy_accuracy(model, tok, val, d.prompt_template, d.max_response_length)
+    out = Path(s.output_dir)
+    save_pretrained(model, out)
+    tok.save(out)
+    metrics = {"val_greedy_acc": acc, "final_loss": loss.item(), "steps": s.steps,
+               "params": sum(p.numel() for p in model.parameters())}
+    (out / "sft_metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(f"sft: held-out greedy accuracy {acc:.3f} ({len(val)} problems); saved to {out}", file=sys.stderr)
+    return out
+
+
+def main(argv=None):
+    train_sft(parse_cli(argv))
+
+
+if __name__ == "__main__":
+    run_cli(main)
