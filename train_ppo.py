@@ -31,7 +31,8 @@ from nanokl import actor as W
 from nanokl.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
 from nanokl.config import config_to_dict, parse_cli, run_cli, save_config
 from nanokl.config_io import UserError
-from nanokl.data import batch_indices, build_prompts, load_examples, make_arith_task, steps_per_epoch
+from nanokl.data import (arith_difficulty, batch_indices, build_prompts, load_examples, make_arith_task,
+                         steps_per_epoch)
 from nanokl.gae import compute_gae_advantage_return, compute_grpo_outcome_advantage, masked_mean
 from nanokl.kl import kl_penalty
 from nanokl.kl_ctrl import make_kl_controller
@@ -53,7 +54,7 @@ class TrainingStopped(Exception):
 def load_data(cfg):
     d = cfg.data
     if d.train_files is None:  # the built-in synthetic task
-        return make_arith_task(d.num_train, d.num_val, seed=d.seed)
+        return make_arith_task(d.num_train, d.num_val, seed=d.seed, difficulty=arith_difficulty(d))
     val = load_examples(d.val_files, d.prompt_key, d.reward_fn_key) if d.val_files else []
     return load_examples(d.train_files, d.prompt_key, d.reward_fn_key), val
 

@@ -77,6 +77,9 @@ class DataConfig:
     task: Literal["arith"] = "arith"  # built-in synthetic task used when train_files is empty
     num_train: int = 4096  # synthetic task: number of training prompts
     num_val: int = 256  # synthetic task: number of validation prompts (0: no validation)
+    arith_num_operands: int = 3  # synthetic task: numbers per problem (one reasoning step per operator)
+    arith_max_operand: int = 99  # synthetic task: operands are drawn from 0..arith_max_operand
+    arith_ops: str = "+-"  # synthetic task: operators to draw from, any of "+-*"
     prompt_template: Literal["plain", "chatml"] = "plain"  # how a prompt is wrapped before tokenizing
 
 
@@ -274,6 +277,7 @@ class SFTConfig:
     batch_size: int = 64  # examples per step
     lr: float = 1e-3  # AdamW learning rate
     num_examples: int = 20000  # synthetic (prompt, answer) pairs to train on
+    alt_answer_share: float = 0.0  # share of demonstrations ending "Answer: N", not the graded "#### N"
     vocab_size: int = 64  # must cover the synthetic task's tokenizer
     hidden_size: int = 64  # model width
     num_hidden_layers: int = 2  # decoder blocks
@@ -378,6 +382,10 @@ _RULES = [
     (["trainer.save_freq", "trainer.test_freq"], lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
     ([_A + "optim.betas", _C + "optim.betas"], lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     ([_M + "rollback_beta_factor"], lambda v: v >= 1, ">= 1 (beta is multiplied by it after a rollback)"),
+    (["data.arith_num_operands"], lambda v: v >= 2, ">= 2"),
+    (["data.arith_max_operand"], lambda v: v >= 1, ">= 1"),
+    (["data.arith_ops"], lambda v: v != "" and set(v) <= set("+-*"), "made of the characters + - *"),
+    ([_S + "alt_answer_share"], lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]
 
 

@@ -142,6 +142,25 @@ def make_arith_task(num_train: int, num_val: int, seed: int,
     return sample("train", num_train, False), sample("val", num_val, True)
 
 
+def arith_difficulty(data_cfg) -> ArithDifficulty:
+    """The difficulty the config's `data.arith_*` keys describe."""
+    return ArithDifficulty(data_cfg.arith_num_operands, data_cfg.arith_max_operand, data_cfg.arith_ops)
+
+
+def mix_answer_formats(examples, share: float, seed: int) -> list[dict]:
+    """Copies of the examples in which a `share` of the demonstrations (chosen with `seed`) end
+    with "Answer: N" instead of "#### N": two teachers who agree on the arithmetic but not on the
+    format. The graders (nanokl/reward.py) read only "#### N", so a policy that imitates the
+    majority "Answer:" teacher scores nothing until RL finds out which format is rewarded."""
+    rng = random.Random(f"formats/{seed}")
+    out = []
+    for ex in examples:
+        if rng.random() < share:
+            ex = {**ex, "solution": ex["solution"].replace("\n#### ", "\nAnswer: ")}
+        out.append(ex)
+    return out
+
+
 def task_texts(examples) -> list[str]:
     """prompt + solution of each example: the text the tokenizer and the SFT warm start learn from."""
     return [ex["prompt"] + ex["solution"] for ex in examples]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from nanokl.config import parse_cli, run_cli
-from nanokl.data import build_prompts, make_arith_task, task_texts
+from nanokl.data import arith_difficulty, build_prompts, make_arith_task, mix_answer_formats, task_texts
 from nanokl.model import CausalLM, ModelConfig, init_weights, save_pretrained
 from nanokl.reward import score_response
 from nanokl.rollout import generate
@@ -88,7 +88,8 @@ def train_sft(cfg, progress=True) -> Path:
     s, d = cfg.sft, cfg.data
     device = torch.device("cuda" if cfg.trainer.device == "cuda" else "cpu")
     torch.manual_seed(cfg.trainer.seed)
-    train, val = make_arith_task(s.num_examples, d.num_val, seed=cfg.trainer.seed)
+    train, val = make_arith_task(s.num_examples, d.num_val, seed=cfg.trainer.seed, difficulty=arith_difficulty(d))
+    train = mix_answer_formats(train, s.alt_answer_share, seed=cfg.trainer.seed)
     tok = train_tokenizer(task_texts(train[:5000]), vocab_size=s.vocab_size)
     mcfg = ModelConfig(model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=s.hidden_size,
                        intermediate_size=s.intermediate_size, num_hidden_layers=s.num_hidden_layers,

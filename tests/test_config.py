@@ -120,15 +120,16 @@ def test_arith_tiny_loads_what_the_file_says():
     # Derived defaults, filled once by resolve.
     a = cfg.actor_rollout_ref.actor
     assert a.clip_ratio_low == a.clip_ratio_high == a.clip_ratio == 0.2
-    assert cfg.actor_rollout_ref.rollout.prompt_length == 32
-    assert cfg.actor_rollout_ref.rollout.response_length == 24
+    assert cfg.actor_rollout_ref.rollout.prompt_length == written["data.max_prompt_length"]
+    assert cfg.actor_rollout_ref.rollout.response_length == written["data.max_response_length"]
     assert cfg.critic.model.path == cfg.actor_rollout_ref.model.tokenizer_path == "runs/arith_tiny/sft"
     assert cfg.critic.ppo_mini_batch_size == 32 and cfg.critic.ppo_epochs == 1
     assert cfg.data.val_batch_size == 64 and cfg.data.seed == 42
     assert cfg.data.train_files is None
     assert cfg.actor_rollout_ref.ref.strategy == cfg.critic.strategy == "none"
-    # The CPU default turns KL on, both in the reward and in the loss.
-    assert cfg.algorithm.use_kl_in_reward and a.use_kl_loss
+    # The CPU default turns KL on, in the reward, under the adaptive controller (not twice).
+    assert cfg.algorithm.use_kl_in_reward and not a.use_kl_loss
+    assert cfg.algorithm.kl_ctrl.type == "adaptive"
     assert isinstance(a.optim.lr, float)
 
 
