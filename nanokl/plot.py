@@ -67,7 +67,7 @@ def plot_run(run_dir, out=None) -> Path:
         ax.legend(loc="lower right", fontsize=8)
     ax.set_ylabel("held-out acc (greedy)")
     ax.set_xlabel("PPO step")
-    fig.suptitle(f"{run_dir}")
+    fig.suptitle(cfg.get("trainer", {}).get("experiment_name") or run_dir.name)
     fig.tight_layout()
     out = Path(out) if out else run_dir / "training.png"
     fig.savefig(out, dpi=110)
