@@ -18,6 +18,7 @@ With the default config a missing reference checkpoint is first trained by nanok
 
 import copy
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -135,6 +136,11 @@ def main(argv=None):
     cfg = parse_cli(argv)
     d, arr, alg, t, c = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer, cfg.critic
     a, ro = arr.actor, arr.rollout
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("this train_ppo.py runs one process; data-parallel training under torchrun "
+                        "(nanokl/dist.py) is not built yet")
+    if {a.strategy, c.strategy} != {"none"}:
+        print(f"warning: strategy {a.strategy!r} is not built yet; one process trains unsharded", file=sys.stderr)
     device = torch.device("cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu")
     torch.manual_seed(t.seed)
     run_dir = Path(t.default_local_dir)

@@ -17,11 +17,13 @@ Loading a config is four steps (the machinery is in `config_io.py`):
       2. `key.sub=value` overrides on top                             (config_io.apply_override)
       3. keys and types checked against the dataclasses below         (config_io.build)
       4. `resolve`: None -> derived defaults, then `validate`: impossible values rejected
+                                                                       (config_rules.py)
 
 Derived defaults. In verl, `clip_ratio_low: ${actor.clip_ratio}`-style interpolations fill
 some keys from others. Here such a key is `Optional` with a `None` default, and `resolve`
 fills it once, at load time, so that downstream code reads `actor.clip_ratio_low` and never
-re-derives it. After `resolve`, none of those keys is None (the list is `resolve`'s body).
+re-derives it. After `resolve`, none of those keys is None (the list is `resolve`'s body,
+in config_rules.py).
 
 Batch sizes count what verl counts: `data.train_batch_size` and `ppo_mini_batch_size` count
 *prompts* (each sampled `rollout.n` times), `*_micro_batch_size_per_gpu` counts *responses*
@@ -33,7 +35,6 @@ each kind against the files themselves.
 """
 
 import dataclasses
-import functools
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ import yaml
 
 from nanokl.config_io import (ConfigError, UserError, all_keys, apply_override, build,
                               load_yaml_chain, run_cli, to_dict)
+from nanokl.config_rules import resolve, validate
 
 __all__ = ["Config", "ConfigError", "UserError", "run_cli", "load_config", "parse_cli", "resolve",
            "validate", "config_to_dict", "save_config", "KL_KINDS", "LOSS_AGG_MODES", "DEFAULT_CONFIG"]
@@ -296,148 +298,6 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-
-
-# ---------------------------------------------------------------------------------------------
-# Derived defaults and impossible values
-# ---------------------------------------------------------------------------------------------
-
-def resolve(cfg: Config) -> Config:
-    """Fill every None-means-derived key from the key it derives from (in place; idempotent)."""
-    data, arr, critic = cfg.data, cfg.actor_rollout_ref, cfg.critic
-    actor, rollout = arr.actor, arr.rollout
-    data.seed = _or(data.seed, cfg.trainer.seed)
-    data.val_batch_size = _or(data.val_batch_size, data.train_batch_size)
-    data.train_files, data.val_files = _file_list(data.train_files), _file_list(data.val_files)
-    arr.model.path = arr.model.path or cfg.sft.output_dir  # "" counts as unset for paths
-    arr.model.tokenizer_path = arr.model.tokenizer_path or arr.model.path
-    actor.clip_ratio_low = _or(actor.clip_ratio_low, actor.clip_ratio)
-    actor.clip_ratio_high = _or(actor.clip_ratio_high, actor.clip_ratio)
-    arr.ref.strategy = _or(arr.ref.strategy, actor.strategy)
-    rollout.prompt_length = _or(rollout.prompt_length, data.max_prompt_length)
-    rollout.response_length = _or(rollout.response_length, data.max_response_length)
-    critic.strategy = _or(critic.strategy, actor.strategy)
-    critic.model.path = critic.model.path or arr.model.path
-    critic.model.tokenizer_path = critic.model.tokenizer_path or arr.model.tokenizer_path
-    critic.ppo_mini_batch_size = _or(critic.ppo_mini_batch_size, actor.ppo_mini_batch_size)
-    critic.ppo_epochs = _or(critic.ppo_epochs, actor.ppo_epochs)
-    return cfg
-
-
-def _or(value, default):
-    """`default` when `value` is None (not when it is 0: a zero must reach `validate`)."""
-    return default if value is None else value
-
-
-def _file_list(files):
-    """None, "" or [] -> None (the built-in task); "a.jsonl" -> ["a.jsonl"]."""
-    if not files:
-        return None
-    return [files] if isinstance(files, str) else list(files)
-
-
-def _get(cfg, key: str):
-    return functools.reduce(getattr, key.split("."), cfg)
-
-
-_A, _R, _C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
-_M, _S = "trainer.kl_monitor.", "sft."
-
-# (keys, test, what the value must be). A None value (an Optional left unset) passes.
-_RULES = [
-    (["data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
-      "data.val_batch_size", "data.num_train",
-      _A + "ppo_mini_batch_size", _A + "ppo_micro_batch_size_per_gpu", _A + "ppo_max_token_len_per_gpu",
-      _A + "ppo_epochs", _A + "grad_clip",
-      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-      "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-      _R + "temperature", _R + "n", _R + "prompt_length", _R + "response_length",
-      _R + "log_prob_micro_batch_size_per_gpu", _R + "log_prob_max_token_len_per_gpu",
-      _R + "max_batch_size", _R + "val_kwargs.n",
-      _C + "ppo_mini_batch_size", _C + "ppo_micro_batch_size_per_gpu", _C + "ppo_max_token_len_per_gpu",
-      _C + "forward_max_token_len_per_gpu", _C + "ppo_epochs", _C + "grad_clip", _C + "cliprange_value",
-      "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
-      "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl",
-      "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep",
-      "trainer.log_freq", _M + "kl_var_max", _M + "reward_var_max", _M + "stop_kl", _M + "stop_patience",
-      _S + "steps", _S + "batch_size", _S + "lr", _S + "num_examples", _S + "vocab_size", _S + "hidden_size",
-      _S + "num_hidden_layers", _S + "num_attention_heads", _S + "num_key_value_heads",
-      _S + "intermediate_size", _S + "max_position_embeddings"],
-     lambda v: v > 0, "> 0"),
-    (["data.num_val", "data.seed", "trainer.seed", "trainer.critic_warmup", _A + "kl_loss_coef",
-      "algorithm.kl_ctrl.kl_coef", "reward_model.missing_eos_penalty", _M + "entropy_min",
-      _R + "val_kwargs.temperature", _A + "optim.lr", _A + "optim.weight_decay",
-      _C + "optim.lr", _C + "optim.weight_decay"],
-     lambda v: v >= 0, ">= 0"),
-    ([_A + "clip_ratio", _A + "clip_ratio_low", _A + "clip_ratio_high"], lambda v: 0 < v < 1, "in (0, 1)"),
-    ([_A + "clip_ratio_c"], lambda v: v > 1, "> 1 (dual clip caps the loss at c * |advantage|)"),
-    (["algorithm.gamma", "algorithm.lam", _A + "optim.lr_warmup_steps_ratio", _A + "optim.min_lr_ratio",
-      _C + "optim.lr_warmup_steps_ratio", _C + "optim.min_lr_ratio"], lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ([_R + "top_p", _R + "val_kwargs.top_p"], lambda v: 0 < v <= 1, "in (0, 1]"),
-    ([_R + "top_k", _R + "val_kwargs.top_k"], lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
-    ([_A + "optim.lr_warmup_steps", _C + "optim.lr_warmup_steps"], lambda v: v >= -1,
-     "-1 (use the ratio) or >= 0"),
-    ([_A + "optim.total_training_steps", _C + "optim.total_training_steps"], lambda v: v == -1 or v > 0,
-     "-1 (filled in by the trainer) or > 0"),
-    (["trainer.save_freq", "trainer.test_freq"], lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
-    ([_A + "optim.betas", _C + "optim.betas"], lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-    ([_M + "rollback_beta_factor"], lambda v: v >= 1, ">= 1 (beta is multiplied by it after a rollback)"),
-    (["data.arith_num_operands"], lambda v: v >= 2, ">= 2"),
-    (["data.arith_max_operand"], lambda v: v >= 1, ">= 1"),
-    (["data.arith_ops"], lambda v: v != "" and set(v) <= set("+-*"), "made of the characters + - *"),
-    ([_S + "alt_answer_share"], lambda v: 0 <= v <= 1, "in [0, 1]"),
-]
-
-
-def validate(cfg: Config) -> Config:
-    """Reject values that are wrong in every run (not merely unusual). Run after `resolve`."""
-    for keys, ok, rule in _RULES:
-        for key in keys:
-            value = _get(cfg, key)
-            if value is not None and not ok(value):
-                raise ConfigError(f"{key} must be {rule}, got {value!r}", keys=key)
-
-    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    for who, mini, micro, dyn in [(_A, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                                   actor.use_dynamic_bsz),
-                                  (_C, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size_per_gpu,
-                                   cfg.critic.use_dynamic_bsz)]:
-        if data.train_batch_size % mini:
-            raise ConfigError(f"{who}ppo_mini_batch_size ({mini}) must divide data.train_batch_size "
-                              f"({data.train_batch_size}): a step splits its prompts into whole mini-batches",
-                              keys=(who + "ppo_mini_batch_size", "data.train_batch_size"))
-        if micro is not None and not dyn and (mini * rollout.n) % micro:
-            raise ConfigError(f"{who}ppo_micro_batch_size_per_gpu ({micro}) must divide ppo_mini_batch_size "
-                              f"* rollout.n ({mini * rollout.n}): a mini-batch's responses split into whole "
-                              f"micro-batches",
-                              keys=(who + "ppo_micro_batch_size_per_gpu", who + "ppo_mini_batch_size"))
-    if cfg.algorithm.adv_estimator == "grpo" and rollout.n < 2:
-        raise ConfigError(f"{_R}n must be > 1 with algorithm.adv_estimator=grpo (advantages are relative "
-                          f"to the other responses to the same prompt), got {rollout.n}",
-                          keys=(_R + "n", "algorithm.adv_estimator"))
-    if rollout.val_kwargs.do_sample and rollout.val_kwargs.temperature <= 0:
-        raise ConfigError(f"{_R}val_kwargs.temperature must be > 0 when val_kwargs.do_sample is true, got "
-                          f"{rollout.val_kwargs.temperature}",
-                          keys=(_R + "val_kwargs.temperature", _R + "val_kwargs.do_sample"))
-    low, high = cfg.trainer.kl_monitor.kl_band
-    if not 0 <= low < high:
-        raise ConfigError(f"{_M}kl_band must be [low, high] with 0 <= low < high, got [{low}, {high}]",
-                          keys=_M + "kl_band")
-    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
-        raise ConfigError("trainer.resume_from_path must be set when trainer.resume_mode is resume_path",
-                          keys=("trainer.resume_from_path", "trainer.resume_mode"))
-    if cfg.reward_model.enable and not cfg.reward_model.model.path:
-        raise ConfigError("reward_model.model.path must be set when reward_model.enable is true",
-                          keys=("reward_model.model.path", "reward_model.enable"))
-    sft = cfg.sft
-    if sft.hidden_size % sft.num_attention_heads or (sft.hidden_size // sft.num_attention_heads) % 2:
-        raise ConfigError(f"{_S}hidden_size ({sft.hidden_size}) must be num_attention_heads "
-                          f"({sft.num_attention_heads}) x an even head size (RoPE rotates pairs)",
-                          keys=(_S + "hidden_size", _S + "num_attention_heads"))
-    if sft.num_attention_heads % sft.num_key_value_heads:
-        raise ConfigError(f"{_S}num_key_value_heads ({sft.num_key_value_heads}) must divide "
-                          f"num_attention_heads ({sft.num_attention_heads})", keys=(_S + "num_key_value_heads",))
-    return cfg
 
 
 # ---------------------------------------------------------------------------------------------

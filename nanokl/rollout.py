@@ -139,11 +139,19 @@ def decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator=
     state.slot += 1
 
 
-@torch.inference_mode()
 def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0,
              do_sample=True, eos_token_id=None, pad_token_id=0, generator=None, use_cuda_graph=None,
              n=1) -> RolloutOutput:
     """Sample `n` responses per left-padded prompt; see the module docstring for the layout."""
+    with torch.inference_mode():
+        out = _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, do_sample,
+                        eos_token_id, pad_token_id, generator, use_cuda_graph, n)
+    # cloned outside inference mode: ordinary tensors that a training forward may use under autograd
+    return RolloutOutput(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(out).items()})
+
+
+def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, do_sample,
+              eos_token_id, pad_token_id, generator, use_cuda_graph, n) -> RolloutOutput:
     dev = input_ids.device
     B, P = input_ids.shape
     N, R = B * n, max_new_tokens
