@@ -120,46 +120,63 @@ def _step(model, opt, grad_clip, finite_losses, metrics, prefix):
     opt.zero_grad(set_to_none=True)
 
 
+def ppo_epochs(model, opt, batch, mini_size, micro_size, epochs, shuffle, grad_clip, mode, micro_loss, prefix,
+               generator=None) -> dict:
+    """The loop both updates share: `epochs` passes over the batch in mini-batches of `mini_size`
+    responses, each cut into micro-batches whose gradients accumulate before one optimizer step.
+
+    `micro_loss(mb, norm)` returns (loss, sums, means): the micro-batch's share of the mini-batch
+    loss (aggregated with the mini-batch denominator `norm`), metrics that add up over the
+    micro-batches (the loss terms) and metrics that are averaged, weighted by tokens (fractions)."""
+    metrics = defaultdict(list)
+    for idx in _minibatches(len(batch["responses"]), mini_size, epochs, shuffle, generator):
+        mb_all = take(batch, idx)
+        norm = loss_norm(mb_all["response_mask"], mode)
+        tokens = max(mb_all["response_mask"].sum().item(), 1)
+        finite, totals = True, defaultdict(float)
+        for mb in micro_batches(mb_all, micro_size):
+            loss, sums, means = micro_loss(mb, norm)
+            finite = finite and bool(torch.isfinite(loss))
+            if finite:
+                loss.backward()
+            share = mb["response_mask"].sum().item() / tokens  # this micro-batch's share of the tokens
+            for k, v in sums.items():
+                totals[k] += v.item()
+            for k, v in means.items():
+                totals[k] += v.item() * share
+        _step(model, opt, grad_clip, finite, metrics, prefix)
+        for k, v in totals.items():
+            metrics[k].append(v)
+    return metrics
+
+
 def update_actor(actor, opt, batch, a, temperature, mini_size, generator=None, horizon=None) -> dict:
     """PPO epochs over the batch with the clipped policy loss (+ KL loss, - entropy bonus).
 
     `a` is the config's actor_rollout_ref.actor; `batch` holds sequences, attention_mask,
     position_ids, responses, response_mask, old_log_probs, advantages (and ref_log_probs when
-    a.use_kl_loss); `mini_size` counts responses (ppo_mini_batch_size x rollout.n). Returns lists of per-mini-batch metric values under verl's names."""
-    metrics = defaultdict(list)
+    a.use_kl_loss); `mini_size` counts responses (ppo_mini_batch_size x rollout.n). Returns lists
+    of per-mini-batch metric values under verl's names."""
     mode = a.loss_agg_mode
-    dev = batch["sequences"].device
-    for idx in _minibatches(len(batch["responses"]), mini_size, a.ppo_epochs, a.shuffle, generator):
-        mb_all = take(batch, idx)
-        norm = loss_norm(mb_all["response_mask"], mode)
-        finite, totals = True, defaultdict(float)
-        for mb in micro_batches(mb_all, a.ppo_micro_batch_size_per_gpu):
-            mask = mb["response_mask"]
-            with autocast(dev):
-                logits = response_logits(actor, mb, temperature)
-            logp = logprobs_from_logits(logits, mb["responses"])
-            pg_loss, m = compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask,
-                                             a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, mode,
-                                             global_norm=norm, horizon=horizon)
-            loss = pg_loss
-            if a.entropy_coeff:
-                entropy = agg_loss(entropy_from_logits(logits), mask, mode, global_norm=norm, horizon=horizon)
-                loss = loss - a.entropy_coeff * entropy
-            if a.use_kl_loss:
-                kl = kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type)
-                kl_loss = agg_loss(kl, mask, mode, global_norm=norm, horizon=horizon)
-                loss = loss + a.kl_loss_coef * kl_loss
-                totals["actor/kl_loss"] += kl_loss.item()
-            finite = finite and bool(torch.isfinite(loss))
-            if finite:
-                loss.backward()
-            share = mask.sum().item() / max(mb_all["response_mask"].sum().item(), 1)  # token share of the mini-batch
-            totals["actor/pg_loss"] += pg_loss.item()
-            for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                totals[f"actor/{k}"] += m[k].item() * share
-        _step(actor, opt, a.grad_clip, finite, metrics, "actor")
-        for k, v in totals.items():
-            metrics[k].append(v)
+
+    def micro_loss(mb, norm):
+        mask = mb["response_mask"]
+        with autocast(mb["sequences"].device):
+            logits = response_logits(actor, mb, temperature)
+        logp = logprobs_from_logits(logits, mb["responses"])
+        pg_loss, m = compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
+                                         a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon)
+        loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * agg_loss(entropy_from_logits(logits), mask, mode, norm, horizon)
+        if a.use_kl_loss:
+            kl_loss = agg_loss(kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask, mode, norm, horizon)
+            loss = loss + a.kl_loss_coef * kl_loss
+            sums["actor/kl_loss"] = kl_loss.detach()
+        return loss, sums, {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+
+    metrics = ppo_epochs(actor, opt, batch, mini_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs, a.shuffle,
+                         a.grad_clip, mode, micro_loss, "actor", generator)
     if a.use_kl_loss:
         metrics["actor/kl_coef"].append(a.kl_loss_coef)
     return metrics
@@ -167,28 +184,17 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, generator=None, h
 
 def update_critic(critic, opt, batch, c, mini_size, generator=None, horizon=None) -> dict:
     """PPO epochs over the batch with the clipped value loss; `c` is the config's critic."""
-    metrics = defaultdict(list)
     mode = c.loss_agg_mode
-    dev = batch["sequences"].device
-    for idx in _minibatches(len(batch["responses"]), mini_size, c.ppo_epochs, c.shuffle, generator):
-        mb_all = take(batch, idx)
-        norm = loss_norm(mb_all["response_mask"], mode)
-        finite, totals = True, defaultdict(float)
-        for mb in micro_batches(mb_all, c.ppo_micro_batch_size_per_gpu):
-            mask = mb["response_mask"]
-            with autocast(dev):
-                vpreds = critic_values(critic, mb)
-            loss, m = compute_value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, mode,
-                                         global_norm=norm, horizon=horizon)
-            finite = finite and bool(torch.isfinite(loss))
-            if finite:
-                loss.backward()
-            share = mask.sum().item() / max(mb_all["response_mask"].sum().item(), 1)
-            totals["critic/vf_loss"] += loss.item()
-            totals["critic/vf_clipfrac"] += m["vf_clipfrac"].item() * share
-            totals["critic/vpred_mean"] += (vpreds.detach() * mask).sum().item() / max(
-                mb_all["response_mask"].sum().item(), 1)
-        _step(critic, opt, c.grad_clip, finite, metrics, "critic")
-        for k, v in totals.items():
-            metrics[k].append(v)
-    return metrics
+
+    def micro_loss(mb, norm):
+        mask = mb["response_mask"]
+        with autocast(mb["sequences"].device):
+            vpreds = critic_values(critic, mb)
+        loss, m = compute_value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, mode,
+                                     global_norm=norm, horizon=horizon)
+        means = {"critic/vf_clipfrac": m["vf_clipfrac"], "critic/vpred_mean": (vpreds.detach() * mask).sum()
+                 / mask.sum().clamp(min=1)}
+        return loss, {"critic/vf_loss": loss.detach()}, means
+
+    return ppo_epochs(critic, opt, batch, mini_size, c.ppo_micro_batch_size_per_gpu, c.ppo_epochs, c.shuffle,
+                      c.grad_clip, mode, micro_loss, "critic", generator)
