@@ -16,29 +16,27 @@ One step, as in verl's RayPPOTrainer.fit (design.md, "Data flow of one PPO step"
 With the default config a missing reference checkpoint is first trained by nanokl/sft.py.
 """
 
-import copy
 import math
-import os
 import sys
 import time
-from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from nanokl import actor as W
+from nanokl import actor as workers
+from nanokl import dist
+from nanokl.batching import Batching
 from nanokl.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
 from nanokl.config import config_to_dict, parse_cli, run_cli, save_config
 from nanokl.config_io import UserError
 from nanokl.data import (arith_difficulty, batch_indices, build_prompts, load_examples, make_arith_task,
                          steps_per_epoch)
-from nanokl.gae import compute_gae_advantage_return, compute_grpo_outcome_advantage, masked_mean
+from nanokl.gae import compute_gae_advantage_return, compute_grpo_outcome_advantage, masked_mean, masked_moments
 from nanokl.kl import kl_penalty
 from nanokl.kl_ctrl import make_kl_controller
 from nanokl.model import from_pretrained, load_value_model
-from nanokl.ppo import explained_variance
 from nanokl.reward import score_response, token_level_scores
 from nanokl.rollout import generate
 from nanokl.sft import train_sft
@@ -80,11 +78,18 @@ def make_optimizer(model, optim, total_steps):
 
 
 def add_stats(metrics, name, values, mask=None):
-    """name/mean, /max, /min over the masked entries (verl's compute_data_metrics style)."""
-    v = values[mask.bool()] if mask is not None else values.flatten()
-    if v.numel():
-        metrics.update({f"{name}/mean": v.float().mean().item(), f"{name}/max": v.max().item(),
-                        f"{name}/min": v.min().item()})
+    """name/mean, /max, /min over the masked entries of all ranks (verl's compute_data_metrics)."""
+    mean, hi, lo = dist.global_stats(values, mask)
+    if math.isfinite(mean):
+        metrics.update({f"{name}/mean": mean, f"{name}/max": hi, f"{name}/min": lo})
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[R - V] / Var[R] over all ranks' response tokens (critic/vf_explained_var)."""
+    def var(x):
+        s1, s2, n = dist.all_reduce_moments(masked_moments(x, mask))
+        return (s2 / n - (s1 / n) ** 2) * n / (n - 1)
+    return (1 - var(returns - values) / var(returns).clamp(min=1e-8)).item()
 
 
 def score_batch(tok, out, examples, cfg):
@@ -100,24 +105,28 @@ def score_batch(tok, out, examples, cfg):
 
 @torch.no_grad()
 def validate(model, tok, val, cfg, device):
-    """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n."""
+    """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n.
+    Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks."""
     d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
-    scores, lengths = defaultdict(list), []
-    for i in range(0, len(val), d.val_batch_size):
-        chunk = val[i:i + d.val_batch_size]
+    sources = sorted({ex["data_source"] for ex in val})
+    totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) per source, then response lengths
+    mine = val[dist.rank()::dist.world()]
+    for i in range(0, len(mine), d.val_batch_size):
+        chunk = mine[i:i + d.val_batch_size]
         ids, mask = build_prompts(chunk, tok, d.prompt_template, d.max_prompt_length, d.truncation, device=device)
         out = generate(model, ids, mask, cfg.actor_rollout_ref.rollout.response_length, temperature=vk.temperature,
                        top_k=vk.top_k, top_p=vk.top_p, do_sample=vk.do_sample and vk.temperature > 0,
                        eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, n=vk.n,
-                       generator=torch.Generator(device).manual_seed(cfg.trainer.seed))
+                       generator=torch.Generator(device).manual_seed(cfg.trainer.seed + dist.rank()))
         texts = tok.batch_decode(out.responses, out.response_mask)
         for j, text in enumerate(texts):
             ex = chunk[j // vk.n]
-            scores[ex["data_source"]].append(score_response(text, ex, cfg.reward_model.score_method))
-        lengths += out.response_mask.sum(-1).tolist()
-    metrics = {f"val-core/{src}/acc/mean@{vk.n}": sum(s) / len(s) for src, s in scores.items()}
-    if lengths:
-        metrics["val-aux/response_length/mean"] = sum(lengths) / len(lengths)
+            totals[sources.index(ex["data_source"])] += torch.tensor([score_response(text, ex, cfg.reward_model.score_method), 1.0])
+        totals[-1] += torch.tensor([out.response_mask.sum().item(), float(len(texts))])
+    totals = dist.all_reduce(totals)
+    metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}
+    if totals[-1, 1] > 0:
+        metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
     return metrics
 
 
@@ -136,22 +145,31 @@ def main(argv=None):
     cfg = parse_cli(argv)
     d, arr, alg, t, c = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer, cfg.critic
     a, ro = arr.actor, arr.rollout
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("this train_ppo.py runs one process; data-parallel training under torchrun "
-                        "(nanokl/dist.py) is not built yet")
-    if {a.strategy, c.strategy} != {"none"}:
-        print(f"warning: strategy {a.strategy!r} is not built yet; one process trains unsharded", file=sys.stderr)
-    device = torch.device("cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu")
+    rank, W, device = dist.init()  # torchrun sets RANK / WORLD_SIZE; plain python is rank 0 of 1
+    if t.device == "cpu":
+        device = torch.device("cpu")
+    for key, v in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                   ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size)):
+        if v % W:
+            raise UserError(f"{key} ({v}) must be divisible by the number of processes ({W})")
+    # (a frozen reference may stay `none`: a full copy per process, like a DDP replica without grads)
+    for key, v in (("actor_rollout_ref.actor.strategy", a.strategy), ("critic.strategy", c.strategy)):
+        if v == "none" and W > 1 and (key != "critic.strategy" or alg.adv_estimator == "gae"):
+            # each process would train its own model and silently diverge
+            raise UserError(f"{key}=none runs one process, but torchrun started {W}: use ddp or fsdp2")
     torch.manual_seed(t.seed)
     run_dir = Path(t.default_local_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
 
     # ---- models: the policy (actor), its frozen copy (reference), the critic --------------------
     model_path = Path(arr.model.path)
     if not (model_path / "config.json").exists() and d.train_files is None and model_path == Path(cfg.sft.output_dir):
-        print(f"no reference policy at {model_path}: training the warm start first (nanokl.sft)", file=sys.stderr)
-        train_sft(cfg)
+        if rank == 0:
+            print(f"no reference policy at {model_path}: training the warm start first (nanokl.sft)", file=sys.stderr)
+            train_sft(cfg)
+        dist.barrier()
     if not model_path.is_dir():
         raise UserError(f"model directory {str(model_path)!r} does not exist (actor_rollout_ref.model.path)")
     tok = load_tokenizer(arr.model.tokenizer_path)
@@ -162,18 +180,23 @@ def main(argv=None):
         ckpt = latest_checkpoint(run_dir)
     elif t.resume_mode == "resume_path":
         ckpt = Path(t.resume_from_path)
-    actor = from_pretrained(ckpt / "actor" if ckpt else model_path, device=device).train()
+    actor_path = ckpt / "actor" if ckpt else model_path
+    actor = from_pretrained(actor_path, device=device).train()
+    actor.model.gradient_checkpointing = arr.model.enable_gradient_checkpointing
     ref = from_pretrained(model_path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
     ref.eval().requires_grad_(False)
-    critic = None
-    if use_critic:
-        critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device).train()
-    actor.model.gradient_checkpointing = arr.model.enable_gradient_checkpointing
-    # Rollout reads the policy's weights. On CUDA it runs a bf16 copy that is refreshed in place
-    # after every update (so its captured CUDA graphs stay valid); on CPU the actor itself.
+    critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device).train() if use_critic else None
+    # Rollout reads the policy's whole weights. A plain CPU actor (or a DDP replica) is used as is;
+    # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
+    # in place after every update, so that its captured CUDA graphs stay valid (nanokl/dist.py).
     rollout_model = actor
-    if device.type == "cuda":
-        rollout_model = copy.deepcopy(actor).to(getattr(torch, ro.dtype)).eval().requires_grad_(False)
+    rollout_copy = device.type == "cuda" or (a.strategy == "fsdp2" and W > 1)
+    if rollout_copy:
+        dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
+        rollout_model = from_pretrained(actor_path, device=device, dtype=dtype).eval().requires_grad_(False)
+    actor = dist.wrap(actor, a.strategy, device)
+    ref = dist.wrap(ref, arr.ref.strategy, device, trainable=False)
+    critic = dist.wrap(critic, c.strategy, device) if use_critic else None
 
     total_steps = t.total_training_steps or t.total_epochs * steps_per_epoch(len(train), d.train_batch_size)
     actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps)
@@ -182,41 +205,65 @@ def main(argv=None):
     start, nan_streak = 0, 0
     if ckpt:
         optim_state, state = load_state(ckpt)
-        actor_opt.load_state_dict(optim_state["actor"])
+        dist.load_optimizer_state(actor, actor_opt, optim_state["actor"])
         actor_sched.load_state_dict(optim_state["actor_sched"])
         if use_critic:
-            critic_opt.load_state_dict(optim_state["critic"])
+            dist.load_optimizer_state(critic, critic_opt, optim_state["critic"])
             critic_sched.load_state_dict(optim_state["critic_sched"])
         kl_ctrl.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])
         start, nan_streak = state["global_step"], state.get("nan_streak", 0)
-        print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
+        if rank == 0:
+            print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
 
     def checkpoint(step):
+        """Every rank gathers (a collective), rank 0 writes full HF weights + name-keyed optimizer state."""
         models = {"actor": actor, **({"critic": critic} if use_critic else {})}
-        optim = {"actor": actor_opt.state_dict(), "actor_sched": actor_sched.state_dict()}
+        weights = {name: (dist.unwrap(m), dist.full_state_dict(m)) for name, m in models.items()}
+        optim = {"actor": dist.optimizer_state(actor, actor_opt), "actor_sched": actor_sched.state_dict()}
         if use_critic:
-            optim.update(critic=critic_opt.state_dict(), critic_sched=critic_sched.state_dict())
+            optim.update(critic=dist.optimizer_state(critic, critic_opt), critic_sched=critic_sched.state_dict())
         state = {"kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state(), "nan_streak": nan_streak}
-        return save_checkpoint(run_dir, step, models, optim, state, tokenizer=tok, keep=t.max_actor_ckpt_to_keep)
+        path = run_dir / "checkpoints" / f"global_step_{step}"
+        if rank == 0:
+            path = save_checkpoint(run_dir, step, weights, optim, state, tokenizer=tok, keep=t.max_actor_ckpt_to_keep)
+        dist.barrier()
+        return path
 
-    tracker = Tracker(run_dir, t.logger, config_to_dict(cfg), project=t.project_name, experiment=t.experiment_name)
+    tracker = Tracker(run_dir, t.logger, config_to_dict(cfg), enabled=rank == 0, project=t.project_name,
+                      experiment=t.experiment_name)
     if t.val_before_train and val and start == 0:
         tracker.log(validate(rollout_model, tok, val, cfg, device), step=0)
 
     n, R = ro.n, ro.response_length
-    mini_actor, mini_critic = a.ppo_mini_batch_size * n, c.ppo_mini_batch_size * n
-    for step in tqdm(range(start, total_steps), desc="ppo", initial=start, total=total_steps, file=sys.stderr):
+    packed, packed_c = arr.model.use_remove_padding, c.model.use_remove_padding
+    old_spec = Batching(ro.log_prob_micro_batch_size_per_gpu,
+                        ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None, packed)
+    ref_spec = Batching(arr.ref.log_prob_micro_batch_size_per_gpu,
+                        arr.ref.log_prob_max_token_len_per_gpu if arr.ref.log_prob_use_dynamic_bsz else None, packed)
+    actor_spec = Batching(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                          packed)
+    critic_spec = Batching(c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                           packed_c)
+    values_spec = Batching(c.ppo_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                           packed_c)
+    mini_actor, mini_critic = a.ppo_mini_batch_size * n // W, c.ppo_mini_batch_size * n // W  # this rank's share
+    per_rank = d.train_batch_size // W
+    steps = range(start, total_steps)
+    for step in tqdm(steps, desc="ppo", initial=start, total=total_steps, file=sys.stderr, disable=rank != 0):
         metrics, t_step = {}, time.perf_counter()
-        gen = torch.Generator(device).manual_seed(t.seed * 1_000_003 + step)  # stateless: resume needs only `step`
-        examples = [train[i] for i in batch_indices(len(train), d.train_batch_size, step, d.seed, d.shuffle)]
+        # stateless per-step seeds: resume needs only `step`; each rank samples differently
+        gen = torch.Generator(device).manual_seed(t.seed * 1_000_003 + step * 8191 + rank)
+        shuffle = torch.Generator().manual_seed(t.seed + step)
+        batch_idx = batch_indices(len(train), d.train_batch_size, step, d.seed, d.shuffle)
+        examples = [train[i] for i in batch_idx[rank * per_rank:(rank + 1) * per_rank]]  # this rank's prompts
 
         # 1. rollout: n responses per prompt from the current policy
         with timer(metrics, "gen", device):
             ids, mask = build_prompts(examples, tok, d.prompt_template, d.max_prompt_length, d.truncation, device=device)
-            out = generate(rollout_model, ids, mask, R, temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p,
-                           do_sample=ro.do_sample, eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
-                           generator=gen, use_cuda_graph=ro.use_cuda_graph, n=n)
+            out = generate(dist.unwrap(rollout_model), ids, mask, R, temperature=ro.temperature, top_k=ro.top_k,
+                           top_p=ro.top_p, do_sample=ro.do_sample, eos_token_id=tok.eos_token_ids,
+                           pad_token_id=tok.pad_token_id, generator=gen, use_cuda_graph=ro.use_cuda_graph, n=n)
         examples_n = [ex for ex in examples for _ in range(n)]
         batch = {"sequences": out.sequences, "attention_mask": out.attention_mask, "position_ids": out.position_ids,
                  "responses": out.responses, "response_mask": out.response_mask}
@@ -228,15 +275,13 @@ def main(argv=None):
 
         # 3. forwards: old log-probs + entropy, reference log-probs, values
         with timer(metrics, "old_log_prob", device):
-            old_logp, entropy = W.compute_log_probs(actor, batch, ro.temperature, ro.log_prob_micro_batch_size_per_gpu,
-                                                    with_entropy=True)
+            old_logp, entropy = workers.compute_log_probs(actor, batch, ro.temperature, old_spec, with_entropy=True)
         batch["old_log_probs"] = old_logp
         with timer(metrics, "ref", device):
-            batch["ref_log_probs"], _ = W.compute_log_probs(ref, batch, ro.temperature,
-                                                            arr.ref.log_prob_micro_batch_size_per_gpu)
+            batch["ref_log_probs"], _ = workers.compute_log_probs(ref, batch, ro.temperature, ref_spec)
         if use_critic:
             with timer(metrics, "values", device):
-                batch["values"] = W.compute_values(critic, batch, c.ppo_micro_batch_size_per_gpu)
+                batch["values"] = workers.compute_values(critic, batch, values_spec)
 
         # 4. KL in the reward: r_t = score_t - beta * KL_t, and the controller moves beta
         with timer(metrics, "adv", device):
@@ -245,54 +290,55 @@ def main(argv=None):
                 kld = kl_penalty(old_logp, batch["ref_log_probs"], alg.kl_penalty) * rmask
                 beta = kl_ctrl.value
                 rewards = scores - beta * kld
-                current_kl = masked_mean(kld, rmask, dim=-1).mean().item()  # per-token mean, averaged over responses
-                kl_ctrl.update(current_kl, n_steps=len(examples_n))
+                # per-token mean of each response, averaged over all ranks' responses
+                current_kl = dist.global_stats(masked_mean(kld, rmask, dim=-1))[0]
+                kl_ctrl.update(current_kl, n_steps=len(examples_n) * W)
                 metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
 
-            # 5. advantages: GAE with the critic, or the group baseline of GRPO
+            # 5. advantages: GAE with the critic (whitened over all ranks), or GRPO's group baseline
             if use_critic:
-                adv, ret = compute_gae_advantage_return(rewards, batch["values"], rmask, alg.gamma, alg.lam)
+                adv, ret = compute_gae_advantage_return(rewards, batch["values"], rmask, alg.gamma, alg.lam,
+                                                        whiten_stats=dist.all_reduce_moments)
             else:
                 index = torch.arange(len(examples)).repeat_interleave(n)
                 adv, ret = compute_grpo_outcome_advantage(rewards, rmask, index, alg.norm_adv_by_std_in_grpo)
             batch.update(advantages=adv, returns=ret)
 
         # 6. update: critic first (verl's order), then the actor once critic_warmup has passed
-        upd = defaultdict(list)
+        upd = {}
         if use_critic:
             with timer(metrics, "update_critic", device):
-                upd.update(W.update_critic(critic, critic_opt, batch, c, mini_critic, gen, R))
+                upd.update(workers.update_critic(critic, critic_opt, batch, c, mini_critic, critic_spec, shuffle, R))
             critic_sched.step()
         if step >= t.critic_warmup:
             with timer(metrics, "update_actor", device):
-                upd.update(W.update_actor(actor, actor_opt, batch, a, ro.temperature, mini_actor, gen, R))
+                upd.update(workers.update_actor(actor, actor_opt, batch, a, ro.temperature, mini_actor, actor_spec, shuffle,
+                                           R))
             actor_sched.step()
-            if rollout_model is not actor:  # refresh the rollout copy in place: its graphs see new weights
-                with torch.no_grad():
-                    for p_r, p_a in zip(rollout_model.parameters(), actor.parameters()):
-                        p_r.copy_(p_a)
+            if rollout_copy:  # refresh the rollout copy in place: its graphs see new weights
+                dist.sync_rollout_weights(rollout_model, actor)
         metrics.update({k: sum(v) / len(v) for k, v in upd.items() if v})
         skipped = sum(upd.get("actor/nan_skipped", [])) + sum(upd.get("critic/nan_skipped", []))
         metrics["actor/nan_skipped"] = skipped
         nan_streak = nan_streak + 1 if skipped else 0
 
-        # 7. metrics (verl's names), validation, checkpoint
-        metrics["actor/entropy"] = masked_mean(entropy, rmask).item()
+        # 7. metrics (verl's names, reduced over ranks), validation, checkpoint
+        metrics["actor/entropy"] = dist.global_stats(entropy, rmask)[0]
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
-        metrics["rollout/log_prob_max_diff"] = ((out.log_probs - old_logp).abs() * rmask).max().item()
+        metrics["rollout/log_prob_max_diff"] = dist.global_stats((out.log_probs - old_logp).abs(), rmask)[1]
         add_stats(metrics, "critic/score", seq_scores)
         add_stats(metrics, "critic/rewards", rewards.sum(-1))
         add_stats(metrics, "critic/advantages", adv, rmask)
         add_stats(metrics, "critic/returns", ret, rmask)
         if use_critic:
             add_stats(metrics, "critic/values", batch["values"], rmask)
-            metrics["critic/vf_explained_var"] = explained_variance(batch["values"], ret, rmask).item()
+            metrics["critic/vf_explained_var"] = explained_variance(batch["values"], ret, rmask)
         add_stats(metrics, "response_length", rmask.sum(-1).float())
-        metrics["response_length/clip_ratio"] = (rmask.sum(-1) == R).float().mean().item()
+        metrics["response_length/clip_ratio"] = dist.global_stats((rmask.sum(-1) == R).float())[0]
         add_stats(metrics, "prompt_length", mask.sum(-1).float())
-        tokens = out.attention_mask.sum().item()
+        tokens = dist.all_reduce(out.attention_mask.sum().float()).item()
         metrics["timing_s/step"] = time.perf_counter() - t_step
-        metrics.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / metrics["timing_s/step"],
+        metrics.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / metrics["timing_s/step"] / W,
                         "training/epoch": step // steps_per_epoch(len(train), d.train_batch_size)})
         last = step + 1 == total_steps
         if val and t.test_freq > 0 and ((step + 1) % t.test_freq == 0 or last):
@@ -308,6 +354,7 @@ def main(argv=None):
                 checkpoint(step + 1)
         tracker.log(metrics, step=step + 1)
     tracker.close()
+    dist.destroy()
 
 
 def cli():

@@ -18,19 +18,23 @@ Values are read at the same positions: V(s_t) is the critic's output on the pref
 precedes token t.
 
 Mini- and micro-batches (verl's names). A mini-batch is what one optimizer step sees
-(`ppo_mini_batch_size` prompts x `rollout.n` responses); it is cut into micro-batches of
-`ppo_micro_batch_size_per_gpu` responses whose gradients accumulate. Each micro-batch's loss is
-aggregated with the *mini-batch's* denominator (`global_norm`: its token count for token-mean,
-its sequence count for the seq-mean modes; see nanokl/ppo.py), so the accumulated gradient is
-exactly the gradient of the mini-batch loss, whatever the micro-batch size.
+(`ppo_mini_batch_size` prompts x `rollout.n` responses, over all ranks); it is cut into
+micro-batches of `ppo_micro_batch_size_per_gpu` responses, or under a token budget
+(`use_dynamic_bsz`, nanokl/batching.py), optionally packed without padding
+(`use_remove_padding`), and their gradients accumulate. Each micro-batch's loss is aggregated
+with the *whole mini-batch's* denominator (`global_norm`: its token count for token-mean, its
+sequence count for the seq-mean modes, summed over ranks; see nanokl/ppo.py), so the accumulated
+gradient is exactly the gradient of the mini-batch loss, whatever the micro-batching and the
+number of ranks (nanokl/dist.py).
 
 A mini-batch whose loss or gradient is not finite (a NaN from an overflow, a bad sample) is
 skipped: its gradients are dropped and `actor/nan_skipped` counts it; the training loop stops the
 run after three such steps in a row (train_ppo.py). This mirrors verl's dp_actor.py /
 dp_critic.py (`compute_log_prob`, `update_policy`, `compute_values`, `update_critic`).
 
-tests/test_actor.py checks that the micro-batched gradient equals the one-batch gradient for every
-loss_agg_mode, and that the log-probs equal a per-sequence float64 reference.
+tests/test_actor.py checks that the micro-batched gradient (fixed count and token budget) equals
+the one-batch gradient for every loss_agg_mode, and that the log-probs equal a per-sequence
+float64 reference; tests/test_batching.py that packed forwards equal padded ones.
 """
 
 import contextlib
@@ -38,6 +42,8 @@ from collections import defaultdict
 
 import torch
 
+from nanokl import dist
+from nanokl.batching import Batching, pack, split
 from nanokl.kl import kl_penalty
 from nanokl.ppo import (agg_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
                         logprobs_from_logits)
@@ -52,55 +58,69 @@ def autocast(device):
 
 def take(batch: dict, idx) -> dict:
     """The rows `idx` of every [N, ...] tensor of a batch."""
+    idx = torch.as_tensor(idx, dtype=torch.long, device=batch["responses"].device)
     return {k: v[idx] for k, v in batch.items()}
 
 
-def micro_batches(batch: dict, size):
-    n = len(batch["responses"])
-    size = size or n
-    for i in range(0, n, size):
-        yield {k: v[i:i + size] for k, v in batch.items()}
+def agreed_count(count):
+    """The micro-batch count every rank uses: the largest any rank needs."""
+    return dist.all_reduce(torch.tensor(count), op="max").item()
 
 
-def response_logits(model, mb, temperature):
-    """Logits that predict each response token, fp32, divided by the temperature: [n, R, V]."""
+def response_logits(model, mb, temperature, packed=False):
+    """Logits that predict each response token, fp32, divided by the temperature: [n, R, V].
+    Only those positions go through the LM head (`logits_to_keep`)."""
     R = mb["responses"].shape[1]
-    logits = model(mb["sequences"], mb["attention_mask"], mb["position_ids"], logits_to_keep=R + 1)
-    return logits[:, :-1].float() / temperature
+    if packed:
+        ids, seq_ids, pos, index = pack(mb)
+        logits = model(ids, seq_ids, pos, logits_to_keep=index.flatten())[0].view(*index.shape, -1)
+    else:
+        logits = model(mb["sequences"], mb["attention_mask"], mb["position_ids"], logits_to_keep=R + 1)[:, :-1]
+    return logits.float() / temperature
 
 
-@torch.no_grad()
-def compute_log_probs(model, batch, temperature, micro_size=None, with_entropy=False):
-    """Log-prob of each response token under `model` ([N, R]), and its entropy if asked."""
-    logps, ents = [], []
-    dev = batch["sequences"].device
-    for mb in micro_batches(batch, micro_size):
-        with autocast(dev):
-            logits = response_logits(model, mb, temperature)
-        logps.append(logprobs_from_logits(logits, mb["responses"]))
-        if with_entropy:
-            ents.append(entropy_from_logits(logits))
-    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
-
-
-def critic_values(critic, mb):
+def critic_values(critic, mb, packed=False):
+    """V(s_t) for each response token t: the critic's output at the position before it, [n, R]."""
+    if packed:
+        ids, seq_ids, pos, index = pack(mb)
+        return critic(ids, seq_ids, pos)[0][index].float()
     R = mb["responses"].shape[1]
     return critic(mb["sequences"], mb["attention_mask"], mb["position_ids"])[:, -R - 1:-1].float()
 
 
 @torch.no_grad()
-def compute_values(critic, batch, micro_size=None):
-    dev = batch["sequences"].device
-    out = []
-    for mb in micro_batches(batch, micro_size):
-        with autocast(dev):
-            out.append(critic_values(critic, mb))
-    return torch.cat(out)
+def compute_log_probs(model, batch, temperature, spec=Batching(), with_entropy=False):
+    """Log-prob of each response token under `model` ([N, R]), and its entropy if asked."""
+    model = dist.unwrap(model)  # no gradients to synchronise: skip a DDP wrapper
+    mask = batch["response_mask"]
+    logp = torch.zeros(mask.shape, device=mask.device)
+    ent = torch.zeros(mask.shape, device=mask.device) if with_entropy else None
+    for rows in split(batch, spec, agreed_count):
+        if not rows:
+            continue
+        mb = take(batch, rows)
+        with autocast(mask.device):
+            logits = response_logits(model, mb, temperature, spec.packed)
+        logp[rows] = logprobs_from_logits(logits, mb["responses"])
+        if with_entropy:
+            ent[rows] = entropy_from_logits(logits)
+    return logp, ent
+
+
+@torch.no_grad()
+def compute_values(critic, batch, spec=Batching()):
+    critic = dist.unwrap(critic)
+    out = torch.zeros(batch["response_mask"].shape, device=batch["responses"].device)
+    for rows in split(batch, spec, agreed_count):
+        if rows:
+            with autocast(out.device):
+                out[rows] = critic_values(critic, take(batch, rows), spec.packed)
+    return out
 
 
 def loss_norm(mask, mode):
     """The mini-batch denominator of `agg_loss` (see nanokl/ppo.py): tokens or sequences."""
-    return mask.sum() if mode == "token-mean" else torch.tensor(float(mask.shape[0]), device=mask.device)
+    return mask.sum().float() if mode == "token-mean" else torch.tensor(float(mask.shape[0]), device=mask.device)
 
 
 def _minibatches(n, mini_size, epochs, shuffle, generator):
@@ -109,10 +129,12 @@ def _minibatches(n, mini_size, epochs, shuffle, generator):
         yield from order.split(mini_size)
 
 
-def _step(model, opt, grad_clip, finite_losses, metrics, prefix):
+def _step(model, opt, grad_clip, finite, metrics, prefix):
     """Clip and apply the accumulated gradient, or drop it when anything was not finite."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if finite_losses and torch.isfinite(grad_norm):
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over all shards
+        grad_norm = grad_norm.full_tensor()
+    if finite and torch.isfinite(grad_norm):
         opt.step()
         metrics[f"{prefix}/grad_norm"].append(grad_norm.item())
     else:
@@ -120,37 +142,52 @@ def _step(model, opt, grad_clip, finite_losses, metrics, prefix):
     opt.zero_grad(set_to_none=True)
 
 
-def ppo_epochs(model, opt, batch, mini_size, micro_size, epochs, shuffle, grad_clip, mode, micro_loss, prefix,
+def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, mode, micro_loss, prefix,
                generator=None) -> dict:
     """The loop both updates share: `epochs` passes over the batch in mini-batches of `mini_size`
-    responses, each cut into micro-batches whose gradients accumulate before one optimizer step.
+    responses (this rank's share), each cut into micro-batches (`spec`) whose gradients accumulate
+    before one optimizer step.
 
     `micro_loss(mb, norm)` returns (loss, sums, means): the micro-batch's share of the mini-batch
-    loss (aggregated with the mini-batch denominator `norm`), metrics that add up over the
-    micro-batches (the loss terms) and metrics that are averaged, weighted by tokens (fractions)."""
+    loss, aggregated with the *global* mini-batch denominator `norm` (all ranks' tokens or
+    sequences), metrics that add up over micro-batches and ranks (the loss terms), and metrics
+    averaged with token weights (fractions). DDP and FSDP average gradients over the W ranks, so
+    the loss is scaled by W: the applied gradient is then exactly the global mini-batch gradient.
+    A non-finite loss or gradient anywhere skips the step on every rank alike."""
     metrics = defaultdict(list)
+    W = dist.world()
     for idx in _minibatches(len(batch["responses"]), mini_size, epochs, shuffle, generator):
         mb_all = take(batch, idx)
-        norm = loss_norm(mb_all["response_mask"], mode)
-        tokens = max(mb_all["response_mask"].sum().item(), 1)
-        finite, totals = True, defaultdict(float)
-        for mb in micro_batches(mb_all, micro_size):
-            loss, sums, means = micro_loss(mb, norm)
+        norm = dist.all_reduce(loss_norm(mb_all["response_mask"], mode))
+        tokens = dist.all_reduce(mb_all["response_mask"].sum().float()).clamp(min=1)
+        groups = split(mb_all, spec, agreed_count)
+        finite, sums, means = True, defaultdict(float), defaultdict(float)
+        for j, rows in enumerate(groups):
+            if rows:
+                mb = take(mb_all, rows)
+            else:  # this rank has fewer sequences than the agreed micro-batch count: a masked-out row
+                mb = take(mb_all, [0])  # still runs forward and backward, so the collectives match
+                mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+            with dist.no_sync(model, skip=j < len(groups) - 1):
+                loss, s, m = micro_loss(mb, norm)
+                (loss * W).backward()
             finite = finite and bool(torch.isfinite(loss))
-            if finite:
-                loss.backward()
-            share = mb["response_mask"].sum().item() / tokens  # this micro-batch's share of the tokens
-            for k, v in sums.items():
-                totals[k] += v.item()
-            for k, v in means.items():
-                totals[k] += v.item() * share
+            share = mb["response_mask"].sum() / tokens  # this micro-batch's share of all ranks' tokens
+            for k, v in s.items():
+                sums[k] += v
+            for k, v in m.items():
+                means[k] += v * share
+        finite = bool(dist.all_reduce(torch.tensor(float(finite)), op="min"))
         _step(model, opt, grad_clip, finite, metrics, prefix)
-        for k, v in totals.items():
-            metrics[k].append(v)
+        keys = list(sums) + list(means)
+        if keys:
+            total = dist.all_reduce(torch.stack([torch.as_tensor((sums | means)[k]).float().cpu() for k in keys]))
+            for k, v in zip(keys, total.tolist()):
+                metrics[k].append(v)
     return metrics
 
 
-def update_actor(actor, opt, batch, a, temperature, mini_size, generator=None, horizon=None) -> dict:
+def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), generator=None, horizon=None) -> dict:
     """PPO epochs over the batch with the clipped policy loss (+ KL loss, - entropy bonus).
 
     `a` is the config's actor_rollout_ref.actor; `batch` holds sequences, attention_mask,
@@ -162,7 +199,7 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, generator=None, h
     def micro_loss(mb, norm):
         mask = mb["response_mask"]
         with autocast(mb["sequences"].device):
-            logits = response_logits(actor, mb, temperature)
+            logits = response_logits(actor, mb, temperature, spec.packed)
         logp = logprobs_from_logits(logits, mb["responses"])
         pg_loss, m = compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
                                          a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon)
@@ -175,26 +212,26 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, generator=None, h
             sums["actor/kl_loss"] = kl_loss.detach()
         return loss, sums, {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
 
-    metrics = ppo_epochs(actor, opt, batch, mini_size, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs, a.shuffle,
-                         a.grad_clip, mode, micro_loss, "actor", generator)
+    metrics = ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, a.shuffle, a.grad_clip, mode, micro_loss,
+                         "actor", generator)
     if a.use_kl_loss:
         metrics["actor/kl_coef"].append(a.kl_loss_coef)
     return metrics
 
 
-def update_critic(critic, opt, batch, c, mini_size, generator=None, horizon=None) -> dict:
+def update_critic(critic, opt, batch, c, mini_size, spec=Batching(), generator=None, horizon=None) -> dict:
     """PPO epochs over the batch with the clipped value loss; `c` is the config's critic."""
     mode = c.loss_agg_mode
 
     def micro_loss(mb, norm):
         mask = mb["response_mask"]
         with autocast(mb["sequences"].device):
-            vpreds = critic_values(critic, mb)
+            vpreds = critic_values(critic, mb, spec.packed)
         loss, m = compute_value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, mode,
                                      global_norm=norm, horizon=horizon)
         means = {"critic/vf_clipfrac": m["vf_clipfrac"], "critic/vpred_mean": (vpreds.detach() * mask).sum()
                  / mask.sum().clamp(min=1)}
         return loss, {"critic/vf_loss": loss.detach()}, means
 
-    return ppo_epochs(critic, opt, batch, mini_size, c.ppo_micro_batch_size_per_gpu, c.ppo_epochs, c.shuffle,
-                      c.grad_clip, mode, micro_loss, "critic", generator)
+    return ppo_epochs(critic, opt, batch, mini_size, spec, c.ppo_epochs, c.shuffle, c.grad_clip, mode, micro_loss,
+                      "critic", generator)

@@ -59,15 +59,17 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
                     keep=None) -> Path:
     """Write checkpoint `global_step_{step}` atomically; keep only the newest `keep` if given.
 
-    models: name -> module (saved HF-format under name/); optim_state: name -> state_dict;
-    trainer_state: plain values and tensors (step, KL controller, RNG states, ...)."""
+    models: name -> module, or name -> (module, full state dict) when the weights were gathered
+    from shards (saved HF-format under name/); optim_state: name -> state_dict; trainer_state:
+    plain values and tensors (step, KL controller, RNG states, ...)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     for name, model in models.items():
-        save_pretrained(model, tmp / name)
+        model, sd = model if isinstance(model, tuple) else (model, None)
+        save_pretrained(model, tmp / name, state_dict=sd)
     if tokenizer is not None and "actor" in models:
         tokenizer.save(tmp / "actor")
     torch.save(optim_state, tmp / "optim.pt")

@@ -24,6 +24,9 @@ in the same column. `attention_mask` [B, T] marks real tokens (1) and padding (0
 a token is the number of real tokens before it (`cumsum(mask) - 1`), so a padded row computes the
 same numbers as the unpadded one. A key is visible to a query when it is real and not in the
 future; each token also always sees itself, which keeps the softmax of a padding row finite.
+Packed rows (nanokl/batching.py) number their sequences 1, 2, 3, ... in `attention_mask` and pass
+`position_ids` that restart at 0 for each sequence; a key is then visible only within its own
+sequence (a block-diagonal causal mask), so packing changes no number.
 
 The static KV cache. Generation appends one token at a time. Re-running the whole sequence each
 step costs O(T^2); caching every layer's keys and values makes a step O(T). `KVCache`
@@ -257,11 +260,10 @@ class Decoder(nn.Module):
         B, T = input_ids.shape
         dev = input_ids.device
         if attention_mask is None:
-            attention_mask = torch.ones(B, T, dtype=torch.bool, device=dev)
-        attention_mask = attention_mask.bool()
+            attention_mask = torch.ones(B, T, dtype=torch.long, device=dev)
         if position_ids is None:
             past = cache.valid.sum(-1, keepdim=True) if cache is not None else 0
-            position_ids = (past + attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            position_ids = (past + (attention_mask > 0).long().cumsum(-1) - 1).clamp(min=0)
         x = self.embed_tokens(input_ids)
         # RoPE angles in fp32 (as transformers does): bf16 positions would round beyond 256.
         freqs = position_ids[:, :, None].float() * self.inv_freq.float()
@@ -269,17 +271,20 @@ class Decoder(nn.Module):
         cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
 
         if cache is not None:
-            cache.valid.index_copy_(1, cache_positions, attention_mask)
+            cache.valid.index_copy_(1, cache_positions, attention_mask > 0)
             slots = torch.arange(cache.max_len, device=dev)
             causal = slots[None, :] <= cache_positions[:, None]  # [T, S]
             mask = causal & cache.valid[:, None, None, :]
             mask = mask | (slots[None, :] == cache_positions[:, None])  # always see yourself
-        elif attention_mask.all():
+        elif (attention_mask == 1).all():
             mask = None  # plain causal attention: SDPA's fastest path
         else:
+            # key j is visible to query i when both belong to the same sequence (same nonzero id:
+            # 1 for an ordinary padded row, 1, 2, 3, ... along a packed row) and j <= i
             idx = torch.arange(T, device=dev)
             causal = idx[None, :] <= idx[:, None]
-            mask = (causal & attention_mask[:, None, None, :]) | torch.eye(T, dtype=torch.bool, device=dev)
+            same = (attention_mask[:, None, :] == attention_mask[:, :, None]) & (attention_mask[:, None, :] > 0)
+            mask = ((causal & same) | torch.eye(T, dtype=torch.bool, device=dev))[:, None]
 
         for i, layer in enumerate(self.layers):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
@@ -303,10 +308,14 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None,
                 cache_positions=None, logits_to_keep=0, return_hidden=False):
-        """Logits [B, T, V] (or of the last `logits_to_keep` positions); with `return_hidden`,
+        """Logits [B, T, V]; of the last `logits_to_keep` positions when it is an int > 0, or of the
+        positions it lists when it is a 1-D index tensor (as in transformers). With `return_hidden`,
         also the final normed hidden states [B, T, H]. See the module docstring for the cache."""
         h = self.model(input_ids, attention_mask, position_ids, cache, cache_positions)
-        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        if isinstance(logits_to_keep, torch.Tensor):
+            logits = self.lm_head(h[:, logits_to_keep])
+        else:
+            logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return (logits, h) if return_hidden else logits
 
 

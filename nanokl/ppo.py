@@ -29,7 +29,9 @@ Clipped value loss (verl's `compute_value_loss`, from OpenAI baselines' ppo2)
 The critic is kept near its old predictions the same way:
 vclip = V_old + clamp(V − V_old, −cliprange_value, +cliprange_value) and
 loss = ½·max((V − R)², (vclip − R)²). vf_clipfrac is the fraction of tokens where the clipped
-error is strictly larger.
+error is strictly larger. Inside the band vclip is V itself, not V_old + (V − V_old): that sum
+rounds to a neighbouring float, and its error, a hair above (V − R)², would count as clipped — a
+count that then depends on how the batch happened to be split.
 
 Aggregating a [batch, len] loss matrix (verl's `agg_loss`)
 ---------------------------------------------------------
@@ -130,7 +132,9 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
 def compute_value_loss(vpreds, returns, values, response_mask, cliprange_value,
                        loss_agg_mode="token-mean", global_norm=None, horizon=None):
     """Clipped value loss ½·max((V − R)², (V_clip − R)²). Returns (loss, {vf_clipfrac})."""
-    vpred_clipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    delta = vpreds - values
+    outside = delta.abs() > cliprange_value
+    vpred_clipped = torch.where(outside, values + delta.clamp(-cliprange_value, cliprange_value), vpreds)
     err_unclipped = (vpreds - returns) ** 2
     err_clipped = (vpred_clipped - returns) ** 2
     loss_mat = torch.maximum(err_unclipped, err_clipped)

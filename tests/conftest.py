@@ -1,4 +1,4 @@
-"""Shared test fixtures: deterministic seeds and the optional GSM8K data folder."""
+"""Shared test fixtures: deterministic seeds, the optional GSM8K data folder, a tiny warm start."""
 
 from pathlib import Path
 
@@ -20,3 +20,17 @@ def gsm8k_dir():
     if not (GSM8K_DIR / "test.jsonl").exists():
         pytest.skip(f"GSM8K data not found at {GSM8K_DIR}")
     return GSM8K_DIR
+
+
+@pytest.fixture(scope="session")
+def sft_dir(tmp_path_factory):
+    """A one-layer warm-start policy for the arithmetic task (seconds to train), made once per session."""
+    from nanokl.config import load_config
+    from nanokl.sft import train_sft
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("sft")
+    cfg = load_config(root / "configs" / "arith_tiny.yaml",
+                      ["sft.steps=40", "sft.num_examples=512", "data.num_val=16", "sft.hidden_size=32",
+                       "sft.intermediate_size=64", "sft.num_hidden_layers=1", f"sft.output_dir={out}"])
+    train_sft(cfg, progress=False)
+    return out

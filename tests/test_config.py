@@ -126,7 +126,7 @@ def test_arith_tiny_loads_what_the_file_says():
     assert cfg.critic.ppo_mini_batch_size == 32 and cfg.critic.ppo_epochs == 1
     assert cfg.data.val_batch_size == 64 and cfg.data.seed == 42
     assert cfg.data.train_files is None
-    assert cfg.actor_rollout_ref.ref.strategy == cfg.critic.strategy == "none"
+    assert cfg.actor_rollout_ref.ref.strategy == cfg.critic.strategy == "ddp"  # inherited from actor.strategy
     # The CPU default turns KL on, in the reward, under the adaptive controller (not twice).
     assert cfg.algorithm.use_kl_in_reward and not a.use_kl_loss
     assert cfg.algorithm.kl_ctrl.type == "adaptive"

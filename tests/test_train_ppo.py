@@ -21,8 +21,6 @@ from safetensors.torch import load_file
 
 import train_ppo
 from nanokl.checkpoint import latest_checkpoint, load_state
-from nanokl.config import load_config
-from nanokl.sft import train_sft
 from nanokl.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,16 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data.max_response_length=32",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "trainer.logger=[jsonl]", "trainer.test_freq=2", "trainer.save_freq=2", "trainer.total_training_steps=2"]
-
-
-@pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sft")
-    cfg = load_config(ROOT / "configs" / "arith_tiny.yaml",
-                      ["sft.steps=40", "sft.num_examples=512", "data.num_val=16", "sft.hidden_size=32",
-                       "sft.intermediate_size=64", "sft.num_hidden_layers=1", f"sft.output_dir={out}"])
-    train_sft(cfg, progress=False)
-    return out
 
 
 def run(sft_dir, run_dir, *extra):
