@@ -19,7 +19,6 @@ With the default config a missing reference checkpoint is first trained by nanok
 import math
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,9 +32,10 @@ from nanokl.config import config_to_dict, parse_cli, run_cli, save_config
 from nanokl.config_io import UserError
 from nanokl.data import (arith_difficulty, batch_indices, build_prompts, load_examples, make_arith_task,
                          steps_per_epoch)
-from nanokl.gae import compute_gae_advantage_return, compute_grpo_outcome_advantage, masked_mean, masked_moments
+from nanokl.gae import compute_gae_advantage_return, compute_grpo_outcome_advantage, masked_mean
 from nanokl.kl import kl_penalty
 from nanokl.kl_ctrl import make_kl_controller
+from nanokl.metrics import add_stats, explained_variance, timer
 from nanokl.model import from_pretrained, load_value_model
 from nanokl.reward import score_response, token_level_scores
 from nanokl.rollout import generate
@@ -77,21 +77,6 @@ def make_optimizer(model, optim, total_steps):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
 
 
-def add_stats(metrics, name, values, mask=None):
-    """name/mean, /max, /min over the masked entries of all ranks (verl's compute_data_metrics)."""
-    mean, hi, lo = dist.global_stats(values, mask)
-    if math.isfinite(mean):
-        metrics.update({f"{name}/mean": mean, f"{name}/max": hi, f"{name}/min": lo})
-
-
-def explained_variance(values, returns, mask):
-    """1 - Var[R - V] / Var[R] over all ranks' response tokens (critic/vf_explained_var)."""
-    def var(x):
-        s1, s2, n = dist.all_reduce_moments(masked_moments(x, mask))
-        return (s2 / n - (s1 / n) ** 2) * n / (n - 1)
-    return (1 - var(returns - values) / var(returns).clamp(min=1e-8)).item()
-
-
 def score_batch(tok, out, examples, cfg):
     """Decode, score by rule, put each score on its response's last token."""
     texts = tok.batch_decode(out.responses, out.response_mask)
@@ -128,17 +113,6 @@ def validate(model, tok, val, cfg, device):
     if totals[-1, 1] > 0:
         metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
     return metrics
-
-
-@contextmanager
-def timer(metrics, name, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    yield
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    metrics[f"timing_s/{name}"] = time.perf_counter() - t
 
 
 def main(argv=None):
@@ -354,15 +328,17 @@ def main(argv=None):
                 checkpoint(step + 1)
         tracker.log(metrics, step=step + 1)
     tracker.close()
-    dist.destroy()
 
 
 def cli():
+    status = 0
     try:
         run_cli(main)
     except TrainingStopped as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        status = 1
+    dist.destroy()  # after main returned, so its DDP/FSDP models are already released
+    sys.exit(status)
 
 
 if __name__ == "__main__":

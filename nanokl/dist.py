@@ -36,6 +36,7 @@ and with FSDP2 gives the parameters of one process on the whole batch (<= 1e-5 f
 """
 
 import contextlib
+import gc
 import os
 from datetime import timedelta
 
@@ -76,7 +77,12 @@ def barrier():
 
 
 def destroy():
+    """Leave the process group. Call it after the wrapped models are gone: a DDP Reducer that
+    outlives the group joins gloo's threads in its destructor at interpreter exit and can hang
+    once the peer has left; the barrier makes every rank arrive before any leaves."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        gc.collect()  # DDP wrappers sit in reference cycles: free them (and their Reducers) now
         dist.destroy_process_group()
 
 

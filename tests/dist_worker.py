@@ -99,6 +99,7 @@ def main():
     params.update({f"critic.{k}": v.detach().clone() for k, v in dist.full_tensors(critic)})
     if rank == 0:
         torch.save({"params": params, "init": init, "metrics": metrics}, args.out)
+    del actor, critic, a_opt, c_opt  # release the DDP/FSDP wrappers before leaving the group
     dist.destroy()
 
 

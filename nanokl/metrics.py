@@ -1,0 +1,48 @@
+"""Step metrics under verl's names, reduced over all ranks, and the timers of a step.
+
+verl's `compute_data_metrics` reports, for each per-response or per-token quantity of a batch
+(scores, rewards, advantages, returns, values, response lengths), its mean, max and min as
+`<name>/mean`, `/max`, `/min`; `compute_timing_metrics` reports seconds per phase as
+`timing_s/<phase>`. Under data parallelism each rank holds a slice of the batch, so every statistic
+here is reduced over ranks (sums and counts for means, max/min for extremes; nanokl/dist.py):
+the logged numbers are those of the whole global batch, whatever the world size.
+
+The critic's explained variance, 1 - Var[R - V] / Var[R] over the response tokens, is 1 for a
+critic that predicts the returns exactly, 0 for one that predicts their mean, and negative for a
+worse one (nanokl/ppo.py's `explained_variance` is its single-process form, tested against numpy).
+"""
+
+import math
+import time
+from contextlib import contextmanager
+
+import torch
+
+from nanokl import dist
+from nanokl.gae import masked_moments
+
+
+def add_stats(metrics, name, values, mask=None):
+    """name/mean, /max, /min over the masked entries of all ranks (verl's compute_data_metrics)."""
+    mean, hi, lo = dist.global_stats(values, mask)
+    if math.isfinite(mean):
+        metrics.update({f"{name}/mean": mean, f"{name}/max": hi, f"{name}/min": lo})
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[R - V] / Var[R] over all ranks' response tokens (critic/vf_explained_var)."""
+    def var(x):
+        s1, s2, n = dist.all_reduce_moments(masked_moments(x, mask))
+        return (s2 / n - (s1 / n) ** 2) * n / (n - 1)
+    return (1 - var(returns - values) / var(returns).clamp(min=1e-8)).item()
+
+
+@contextmanager
+def timer(metrics, name, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    metrics[f"timing_s/{name}"] = time.perf_counter() - t
