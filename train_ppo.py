@@ -35,7 +35,7 @@ from nanokl.data import (arith_difficulty, batch_indices, build_prompts, load_ex
 from nanokl.gae import compute_gae_advantage_return, compute_grpo_outcome_advantage, masked_mean
 from nanokl.kl import kl_penalty
 from nanokl.kl_ctrl import make_kl_controller
-from nanokl.metrics import add_stats, explained_variance, timer
+from nanokl.metrics import add_stats, explained_variance, global_var, timer
 from nanokl.model import from_pretrained, load_value_model
 from nanokl.reward import score_response, token_level_scores
 from nanokl.rollout import generate
@@ -265,9 +265,11 @@ def main(argv=None):
                 beta = kl_ctrl.value
                 rewards = scores - beta * kld
                 # per-token mean of each response, averaged over all ranks' responses
-                current_kl = dist.global_stats(masked_mean(kld, rmask, dim=-1))[0]
+                kl_per_response = masked_mean(kld, rmask, dim=-1)
+                current_kl = dist.global_stats(kl_per_response)[0]
                 kl_ctrl.update(current_kl, n_steps=len(examples_n) * W)
-                metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
+                metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta,
+                                "actor/reward_kl_var": global_var(kl_per_response)})  # for the KL monitor
 
             # 5. advantages: GAE with the critic (whitened over all ranks), or GRPO's group baseline
             if use_critic:
@@ -301,6 +303,7 @@ def main(argv=None):
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         metrics["rollout/log_prob_max_diff"] = dist.global_stats((out.log_probs - old_logp).abs(), rmask)[1]
         add_stats(metrics, "critic/score", seq_scores)
+        metrics["critic/score/var"] = global_var(seq_scores)
         add_stats(metrics, "critic/rewards", rewards.sum(-1))
         add_stats(metrics, "critic/advantages", adv, rmask)
         add_stats(metrics, "critic/returns", ret, rmask)

@@ -29,6 +29,13 @@ def add_stats(metrics, name, values, mask=None):
         metrics.update({f"{name}/mean": mean, f"{name}/max": hi, f"{name}/min": lo})
 
 
+def global_var(values, mask=None):
+    """Population variance of the masked entries of all ranks (e.g. over the step's responses)."""
+    mask = torch.ones_like(values) if mask is None else mask
+    s1, s2, n = dist.all_reduce_moments(masked_moments(values.float(), mask))
+    return ((s2 / n - (s1 / n) ** 2).clamp(min=0)).item() if n > 0 else float("nan")
+
+
 def explained_variance(values, returns, mask):
     """1 - Var[R - V] / Var[R] over all ranks' response tokens (critic/vf_explained_var)."""
     def var(x):
