@@ -37,7 +37,9 @@ from nanokl.kl import kl_penalty
 from nanokl.kl_ctrl import make_kl_controller
 from nanokl.metrics import add_stats, explained_variance, global_var, timer
 from nanokl.model import from_pretrained, load_value_model
-from nanokl.reward import score_response, token_level_scores
+from nanokl.monitor import KLMonitor
+from nanokl.reward_model import load_reward_model
+from nanokl.scoring import score_batch, validate
 from nanokl.rollout import generate
 from nanokl.sft import train_sft
 from nanokl.tokenizer import load_tokenizer
@@ -75,44 +77,6 @@ def lr_lambda(optim, total_steps):
 def make_optimizer(model, optim, total_steps):
     opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
-
-
-def score_batch(tok, out, examples, cfg):
-    """Decode, score by rule, put each score on its response's last token."""
-    texts = tok.batch_decode(out.responses, out.response_mask)
-    scores = [score_response(t, ex, cfg.reward_model.score_method) for t, ex in zip(texts, examples)]
-    last = (out.response_mask.sum(-1) - 1).clamp(min=0)
-    ended = torch.isin(out.responses.gather(1, last[:, None])[:, 0], torch.tensor(tok.eos_token_ids, device=last.device))
-    missing_eos = ~ended | (out.response_mask.sum(-1) == 0)
-    token_scores = token_level_scores(scores, out.response_mask, missing_eos, cfg.reward_model.missing_eos_penalty)
-    return token_scores, torch.tensor(scores)
-
-
-@torch.no_grad()
-def validate(model, tok, val, cfg, device):
-    """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n.
-    Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks."""
-    d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
-    sources = sorted({ex["data_source"] for ex in val})
-    totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) per source, then response lengths
-    mine = val[dist.rank()::dist.world()]
-    for i in range(0, len(mine), d.val_batch_size):
-        chunk = mine[i:i + d.val_batch_size]
-        ids, mask = build_prompts(chunk, tok, d.prompt_template, d.max_prompt_length, d.truncation, device=device)
-        out = generate(model, ids, mask, cfg.actor_rollout_ref.rollout.response_length, temperature=vk.temperature,
-                       top_k=vk.top_k, top_p=vk.top_p, do_sample=vk.do_sample and vk.temperature > 0,
-                       eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, n=vk.n,
-                       generator=torch.Generator(device).manual_seed(cfg.trainer.seed + dist.rank()))
-        texts = tok.batch_decode(out.responses, out.response_mask)
-        for j, text in enumerate(texts):
-            ex = chunk[j // vk.n]
-            totals[sources.index(ex["data_source"])] += torch.tensor([score_response(text, ex, cfg.reward_model.score_method), 1.0])
-        totals[-1] += torch.tensor([out.response_mask.sum().item(), float(len(texts))])
-    totals = dist.all_reduce(totals)
-    metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}
-    if totals[-1, 1] > 0:
-        metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
-    return metrics
 
 
 def main(argv=None):
@@ -176,33 +140,74 @@ def main(argv=None):
     actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps)
     critic_opt, critic_sched = make_optimizer(critic, c.optim, total_steps) if use_critic else (None, None)
     kl_ctrl = make_kl_controller(alg.kl_ctrl)
-    start, nan_streak = 0, 0
+    rm = load_reward_model(cfg.reward_model.model.path, device=device).eval() if cfg.reward_model.enable else None
+    km = t.kl_monitor
+    monitor = KLMonitor(km) if km.enable else None
+    rollback_on = monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in
+                                                         ("kl_band", "kl_var", "entropy", "reward_var", "kl_stop")}
+    start, nan_streak, healthy_step = 0, 0, None  # healthy_step: the last checkpoint a rollback may return to
+
+    def restore(path, weights=False):
+        """Optimizer states (+ weights, for a rollback) from checkpoint `path`; returns its trainer state."""
+        optim_state, state = load_state(path)
+        for name, model, opt in (("actor", actor, actor_opt), ("critic", critic, critic_opt)):
+            if model is not None:
+                if weights:
+                    load = from_pretrained if name == "actor" else load_value_model
+                    dist.load_full_state_dict(model, load(path / name).state_dict())
+                dist.load_optimizer_state(model, opt, optim_state[name])
+        if weights and rollout_copy:
+            dist.sync_rollout_weights(rollout_model, actor)
+        return optim_state, state
+
     if ckpt:
-        optim_state, state = load_state(ckpt)
-        dist.load_optimizer_state(actor, actor_opt, optim_state["actor"])
+        optim_state, state = restore(ckpt)
         actor_sched.load_state_dict(optim_state["actor_sched"])
         if use_critic:
-            dist.load_optimizer_state(critic, critic_opt, optim_state["critic"])
             critic_sched.load_state_dict(optim_state["critic_sched"])
         kl_ctrl.load_state_dict(state["kl_ctrl"])
+        a.kl_loss_coef = state.get("kl_loss_coef", a.kl_loss_coef)  # a rollback may have raised it
+        if monitor and "monitor" in state:
+            monitor.load_state_dict(state["monitor"])
         set_rng_state(state["rng"])
-        start, nan_streak = state["global_step"], state.get("nan_streak", 0)
+        start, nan_streak, healthy_step = state["global_step"], state.get("nan_streak", 0), state.get("healthy_step")
         if rank == 0:
             print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
 
-    def checkpoint(step):
+    def checkpoint(step, healthy=True):
         """Every rank gathers (a collective), rank 0 writes full HF weights + name-keyed optimizer state."""
+        nonlocal healthy_step
+        healthy_step = step if healthy else healthy_step
         models = {"actor": actor, **({"critic": critic} if use_critic else {})}
         weights = {name: (dist.unwrap(m), dist.full_state_dict(m)) for name, m in models.items()}
         optim = {"actor": dist.optimizer_state(actor, actor_opt), "actor_sched": actor_sched.state_dict()}
         if use_critic:
             optim.update(critic=dist.optimizer_state(critic, critic_opt), critic_sched=critic_sched.state_dict())
-        state = {"kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state(), "nan_streak": nan_streak}
+        state = {"kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state(), "nan_streak": nan_streak,
+                 "kl_loss_coef": a.kl_loss_coef, "healthy_step": healthy_step,
+                 **({"monitor": monitor.state_dict()} if monitor else {})}
         path = run_dir / "checkpoints" / f"global_step_{step}"
         if rank == 0:
             path = save_checkpoint(run_dir, step, weights, optim, state, tokenizer=tok, keep=t.max_actor_ckpt_to_keep)
         dist.barrier()
         return path
+
+    def rollback(step):
+        """Reload the last healthy checkpoint's weights and optimizer states, raise beta, go on from
+        `step` (the step count and the learning-rate schedule keep moving forward)."""
+        path = run_dir / "checkpoints" / f"global_step_{healthy_step}"
+        if healthy_step is None or not (path / "trainer_state.pt").is_file():
+            return None
+        _, state = restore(path, weights=True)
+        if alg.use_kl_in_reward:  # beta as it is now or was then, whichever is larger, times the factor
+            kl_ctrl.value = max(kl_ctrl.value, state["kl_ctrl"]["value"], km.rollback_min_beta) * km.rollback_beta_factor
+        if a.use_kl_loss:
+            a.kl_loss_coef = max(a.kl_loss_coef, km.rollback_min_beta) * km.rollback_beta_factor
+        monitor.rolled_back()
+        return path
+
+    if rollback_on and healthy_step is None:
+        checkpoint(start)  # the starting point is healthy by definition: something to roll back to
 
     tracker = Tracker(run_dir, t.logger, config_to_dict(cfg), enabled=rank == 0, project=t.project_name,
                       experiment=t.experiment_name)
@@ -245,7 +250,7 @@ def main(argv=None):
 
         # 2. score each response by rule; the score sits on its last token
         with timer(metrics, "reward", device):
-            scores, seq_scores = score_batch(tok, out, examples_n, cfg)
+            scores, seq_scores, rule_scores = score_batch(tok, out, examples_n, cfg, rm)
 
         # 3. forwards: old log-probs + entropy, reference log-probs, values
         with timer(metrics, "old_log_prob", device):
@@ -304,6 +309,8 @@ def main(argv=None):
         metrics["rollout/log_prob_max_diff"] = dist.global_stats((out.log_probs - old_logp).abs(), rmask)[1]
         add_stats(metrics, "critic/score", seq_scores)
         metrics["critic/score/var"] = global_var(seq_scores)
+        if rm is not None:  # the rule's verdict on the same responses: the RM's score is only a proxy
+            add_stats(metrics, "critic/rule_score", rule_scores)
         add_stats(metrics, "critic/rewards", rewards.sum(-1))
         add_stats(metrics, "critic/advantages", adv, rmask)
         add_stats(metrics, "critic/returns", ret, rmask)
@@ -322,13 +329,37 @@ def main(argv=None):
             with timer(metrics, "testing", device):
                 metrics.update(validate(rollout_model, tok, val, cfg, device))
         if nan_streak >= MAX_NAN_STEPS:
-            path = checkpoint(step + 1)
+            path = checkpoint(step + 1, healthy=False)
             tracker.log(metrics, step=step + 1)
             raise TrainingStopped(f"stopped at step {step + 1}: {MAX_NAN_STEPS} steps in a row had a non-finite loss "
                                   f"or gradient (updates skipped); checkpoint saved to {path}")
+        actions = set()
+        if monitor:  # KL health (nanokl/monitor.py): warn, stop cleanly, or roll back
+            events = monitor.check(step + 1, metrics)
+            metrics.update(monitor.metrics(), **{"monitor/health": monitor.health})
+            actions = {e.action for e in events}
+            if rank == 0:
+                for e in events:
+                    tqdm.write(e.message, file=sys.stderr)
+            if "rollback" in actions and "stop" not in actions:
+                back = rollback(step + 1)
+                if back is None:
+                    actions.add("stop")
+                    if rank == 0:
+                        tqdm.write("kl_monitor: no healthy checkpoint to roll back to; stopping", file=sys.stderr)
+                elif rank == 0:
+                    tqdm.write(f"kl_monitor: rolled back to {back}; beta is now {kl_ctrl.value:.4g}", file=sys.stderr)
+        if "stop" in actions:
+            path = checkpoint(step + 1, healthy=False)
+            tracker.log(metrics, step=step + 1)
+            if rank == 0:
+                which = ", ".join(e.check for e in events if e.action == "stop") or "rollback impossible"
+                print(f"kl_monitor stopped the run at step {step + 1} (check: {which}); checkpoint saved to {path}",
+                      file=sys.stderr)
+            break
         if (t.save_freq > 0 and (step + 1) % t.save_freq == 0) or last:
             with timer(metrics, "save_checkpoint", device):
-                checkpoint(step + 1)
+                checkpoint(step + 1, healthy=monitor is None or monitor.health in ("ok", "warn"))
         tracker.log(metrics, step=step + 1)
     tracker.close()
 

@@ -43,7 +43,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 
 def init():
@@ -157,6 +158,11 @@ def full_state_dict(model):
     """Full (gathered) weights on rank 0, for an HF-format checkpoint; {} on the other ranks."""
     sd = get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if rank() == 0 else {}
+
+
+def load_full_state_dict(model, sd):
+    """Load full (unsharded) weights into a plain, DDP or FSDP2 model; each rank keeps its shard."""
+    set_model_state_dict(unwrap(model), sd, options=StateDictOptions(full_state_dict=True))
 
 
 def optimizer_state(model, opt):

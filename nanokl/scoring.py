@@ -1,0 +1,69 @@
+"""Scoring a step's rollouts and the held-out set: the rule, the learned reward model, accuracy.
+
+Training reward. Each response is decoded and judged by the task's rule (nanokl/reward.py: the
+arithmetic task's answer check, or GSM8K's strict / flexible `#### N` match). With
+`reward_model.enable` a learned reward model scores the same `[prompt | response]` token sequences
+instead (nanokl/reward_model.py, normalised to mean 0 and std 1 on reference-policy samples), and
+the rule's verdict is still computed and logged (`critic/rule_score/*`): the learned reward is a
+proxy, and a rising RM score with a flat or falling rule score is reward hacking made visible
+(Gao et al. 2023). Either way the scalar sits on the response's last real token, where PPO's
+per-token reward r_t = score_t - beta * KL_t adds it (verl's token_level_scores), minus
+`missing_eos_penalty` for a response cut off before its EOS.
+
+Validation always uses the rule (`val-core/<data_source>/acc/mean@n`, greedy by default): it is
+the ground truth the reward model is trying to learn. Under torchrun rank r takes every W-th
+held-out prompt and the sums are all-reduced, so the accuracy is over the whole held-out set.
+"""
+
+import torch
+
+from nanokl import dist
+from nanokl.data import build_prompts
+from nanokl.reward import score_response, token_level_scores
+from nanokl.reward_model import score_with_rm
+from nanokl.rollout import generate
+
+
+def score_batch(tok, out, examples, cfg, rm=None):
+    """Decode and score by rule; with a reward model (reward_model.enable) the RM's normalised
+    score is the reward instead, and the rule score is kept to be logged beside it (a growing gap
+    between the two is reward hacking). Each score sits on its response's last token.
+    Returns (token-level scores, reward per response, rule score per response)."""
+    texts = tok.batch_decode(out.responses, out.response_mask)
+    rule = torch.tensor([score_response(t, ex, cfg.reward_model.score_method) for t, ex in zip(texts, examples)])
+    scores = rule
+    if rm is not None:
+        scores = score_with_rm(rm, out.sequences, out.attention_mask, cfg.reward_model.micro_batch_size_per_gpu).cpu()
+    last = (out.response_mask.sum(-1) - 1).clamp(min=0)
+    ended = torch.isin(out.responses.gather(1, last[:, None])[:, 0], torch.tensor(tok.eos_token_ids, device=last.device))
+    missing_eos = ~ended | (out.response_mask.sum(-1) == 0)
+    token_scores = token_level_scores(scores.tolist(), out.response_mask, missing_eos,
+                                      cfg.reward_model.missing_eos_penalty)
+    return token_scores, scores, rule
+
+
+@torch.no_grad()
+def validate(model, tok, val, cfg, device):
+    """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n.
+    Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks."""
+    d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
+    sources = sorted({ex["data_source"] for ex in val})
+    totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) per source, then response lengths
+    mine = val[dist.rank()::dist.world()]
+    for i in range(0, len(mine), d.val_batch_size):
+        chunk = mine[i:i + d.val_batch_size]
+        ids, mask = build_prompts(chunk, tok, d.prompt_template, d.max_prompt_length, d.truncation, device=device)
+        out = generate(model, ids, mask, cfg.actor_rollout_ref.rollout.response_length, temperature=vk.temperature,
+                       top_k=vk.top_k, top_p=vk.top_p, do_sample=vk.do_sample and vk.temperature > 0,
+                       eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, n=vk.n,
+                       generator=torch.Generator(device).manual_seed(cfg.trainer.seed + dist.rank()))
+        texts = tok.batch_decode(out.responses, out.response_mask)
+        for j, text in enumerate(texts):
+            ex = chunk[j // vk.n]
+            totals[sources.index(ex["data_source"])] += torch.tensor([score_response(text, ex, cfg.reward_model.score_method), 1.0])
+        totals[-1] += torch.tensor([out.response_mask.sum().item(), float(len(texts))])
+    totals = dist.all_reduce(totals)
+    metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}
+    if totals[-1, 1] > 0:
+        metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
+    return metrics
