@@ -58,6 +58,7 @@ KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
                  "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Strategy = Literal["none", "ddp", "fsdp2"]  # verl says fsdp/fsdp2; nanokl has one plain, one DDP, one FSDP2 path
+MonitorAction = Literal["warn", "stop", "rollback"]  # what a failing KL-monitor check does (monitor.py)
 KL_KINDS = typing.get_args(KLKind)
 LOSS_AGG_MODES = typing.get_args(LossAggMode)
 
@@ -205,13 +206,30 @@ class CriticConfig:
 
 @dataclass
 class RewardModelModelConfig:
-    path: Optional[str] = None  # Bradley-Terry reward model checkpoint (HF format)
+    path: Optional[str] = None  # reward model dir (HF ...ForSequenceClassification); nanokl.reward_model writes it
+
+
+@dataclass
+class RewardModelTrainConfig:
+    """nanokl-only: how `python -m nanokl.reward_model` builds ranking data and trains the RM."""
+    data_path: Optional[str] = None  # ranking JSONL to train on; built from the warm start when the file is missing
+    val_data_path: Optional[str] = None  # held-out rankings (other prompts) for pairwise accuracy; built with data_path
+    num_prompts: int = 2048  # built data: training prompts, n sampled responses each
+    num_val_prompts: int = 256  # built data: held-out prompts (the task's validation problems)
+    n: int = 4  # built data: responses sampled per prompt (temperature = rollout.temperature)
+    steps: int = 300  # optimizer steps
+    batch_size: int = 32  # rankings (prompts) per step; all responses of a prompt share the batch
+    lr: float = 1e-4  # AdamW peak learning rate (warm-up, then cosine to 10%)
+    loss: Literal["bt", "pl"] = "bt"  # Bradley-Terry over implied pairs, or listwise Plackett-Luce
+    seed: int = 42  # data sampling, head init and batch order
+    norm_samples: int = 512  # reference-policy samples the reward mean/std are fitted on
 
 
 @dataclass
 class RewardModelConfig:
     enable: bool = False  # score with a learned reward model instead of the rule-based score
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    train: RewardModelTrainConfig = field(default_factory=RewardModelTrainConfig)  # python -m nanokl.reward_model
     micro_batch_size_per_gpu: Optional[int] = None  # responses per reward-model forward; None -> all
     max_length: Optional[int] = None  # truncate prompt+response to this for the reward model; None: no cut
     missing_eos_penalty: float = 0.0  # subtracted from the score of a response cut off before its EOS
@@ -239,15 +257,24 @@ class AlgorithmConfig:
 
 @dataclass
 class KLMonitorConfig:
-    enable: bool = False  # watch the run's KL health each step (monitor.py)
-    kl_band: tuple[float, float] = (0.02, 0.08)  # healthy range of the mean per-token KL
-    kl_var_max: float = 0.05  # alarm when KL's variance across responses exceeds this
-    entropy_min: float = 0.2  # alarm when mean token entropy falls below this (collapse)
-    reward_var_max: float = 2.0  # alarm when reward variance exceeds this
-    stop_kl: float = 0.2  # a step whose KL exceeds this counts toward stopping
-    stop_patience: int = 5  # consecutive such steps before `action` fires
-    action: Literal["warn", "stop", "rollback"] = "warn"  # log it, stop the run, or reload the last checkpoint
-    rollback_beta_factor: float = 1.5  # after a rollback, beta is multiplied by this
+    """nanokl-only: the KL health checks of nanokl/monitor.py (the verl KL-tuning checklist), run
+    on each PPO step's metrics. An action is "warn" (log it), "stop" (save and end the run cleanly)
+    or "rollback" (reload the last healthy checkpoint, multiply beta by rollback_beta_factor, go on)."""
+    enable: bool = False  # run the checks each step and log monitor/* metrics
+    kl_low: float = 0.02  # healthy band of the mean per-token KL: below it the policy is barely moving
+    kl_high: float = 0.08  # above it the policy drifts from the reference faster than beta holds it
+    kl_var_max: float = 0.05  # KL variance across responses must stay below this (else a few responses carry it)
+    entropy_min: float = 0.2  # mean token entropy must stay above this (else the policy is collapsing)
+    reward_var_max: float = 2.0  # score variance across responses must stay below this (else suspect reward hacking)
+    kl_stop: float = 0.2  # a step whose KL exceeds this counts toward the stop check
+    kl_stop_patience: int = 5  # that many consecutive such steps fire the stop check
+    kl_band_action: MonitorAction = "warn"  # when KL leaves [kl_low, kl_high] (expected early: KL starts at 0)
+    kl_var_action: MonitorAction = "warn"  # when the KL variance check fails
+    entropy_action: MonitorAction = "warn"  # when the entropy check fails
+    reward_var_action: MonitorAction = "warn"  # when the reward variance check fails
+    kl_stop_action: MonitorAction = "stop"  # when KL > kl_stop for kl_stop_patience steps in a row
+    rollback_beta_factor: float = 2.0  # rollback: beta is multiplied by this after reloading
+    max_rollbacks: int = 3  # a rollback beyond this many becomes a stop (no endless reload loop)
 
 
 @dataclass

@@ -71,13 +71,17 @@ _RULES = [
       "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
       "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl",
       "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep",
-      "trainer.log_freq", _M + "kl_var_max", _M + "reward_var_max", _M + "stop_kl", _M + "stop_patience",
+      "trainer.log_freq", _M + "kl_high", _M + "kl_var_max", _M + "reward_var_max", _M + "kl_stop",
+      _M + "kl_stop_patience",
+      "reward_model.train.steps", "reward_model.train.batch_size", "reward_model.train.lr",
+      "reward_model.train.num_prompts", "reward_model.train.norm_samples",
       _S + "steps", _S + "batch_size", _S + "lr", _S + "num_examples", _S + "vocab_size", _S + "hidden_size",
       _S + "num_hidden_layers", _S + "num_attention_heads", _S + "num_key_value_heads",
       _S + "intermediate_size", _S + "max_position_embeddings"],
      lambda v: v > 0, "> 0"),
     (["data.num_val", "data.seed", "trainer.seed", "trainer.critic_warmup", _A + "kl_loss_coef",
-      "algorithm.kl_ctrl.kl_coef", "reward_model.missing_eos_penalty", _M + "entropy_min",
+      "algorithm.kl_ctrl.kl_coef", "reward_model.missing_eos_penalty", _M + "kl_low", _M + "entropy_min",
+      _M + "max_rollbacks", "reward_model.train.num_val_prompts", "reward_model.train.seed",
       _R + "val_kwargs.temperature", _A + "optim.lr", _A + "optim.weight_decay",
       _C + "optim.lr", _C + "optim.weight_decay"],
      lambda v: v >= 0, ">= 0"),
@@ -98,6 +102,7 @@ _RULES = [
     (["data.arith_max_operand"], lambda v: v >= 1, ">= 1"),
     (["data.arith_ops"], lambda v: v != "" and set(v) <= set("+-*"), "made of the characters + - *"),
     ([_S + "alt_answer_share"], lambda v: 0 <= v <= 1, "in [0, 1]"),
+    (["reward_model.train.n"], lambda v: v >= 2, ">= 2 (a ranking needs two responses)"),
 ]
 
 
@@ -131,10 +136,10 @@ def validate(cfg):
         raise ConfigError(f"{_R}val_kwargs.temperature must be > 0 when val_kwargs.do_sample is true, got "
                           f"{rollout.val_kwargs.temperature}",
                           keys=(_R + "val_kwargs.temperature", _R + "val_kwargs.do_sample"))
-    low, high = cfg.trainer.kl_monitor.kl_band
-    if not 0 <= low < high:
-        raise ConfigError(f"{_M}kl_band must be [low, high] with 0 <= low < high, got [{low}, {high}]",
-                          keys=_M + "kl_band")
+    mon = cfg.trainer.kl_monitor
+    if mon.kl_low >= mon.kl_high:
+        raise ConfigError(f"{_M}kl_low ({mon.kl_low}) must be below kl_high ({mon.kl_high}): the healthy KL band "
+                          f"would be empty", keys=(_M + "kl_low", _M + "kl_high"))
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path must be set when trainer.resume_mode is resume_path",
                           keys=("trainer.resume_from_path", "trainer.resume_mode"))

@@ -29,13 +29,16 @@ from safetensors.torch import load_file, save_file
 from nanokl.config_io import UserError
 
 # architecture name in config.json -> (model_type, head): "lm" a causal LM, "value" a scalar head
+# at every position (the critic), "reward" a bias-free scalar head at the last token (reward model)
 ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", "lm"),
     "LlamaForCausalLM": ("llama", "lm"),
     "Qwen2ForTokenClassification": ("qwen2", "value"),
     "LlamaForTokenClassification": ("llama", "value"),
+    "Qwen2ForSequenceClassification": ("qwen2", "reward"),
+    "LlamaForSequenceClassification": ("llama", "reward"),
 }
-HEAD_ARCH = {"lm": "ForCausalLM", "value": "ForTokenClassification"}
+HEAD_ARCH = {"lm": "ForCausalLM", "value": "ForTokenClassification", "reward": "ForSequenceClassification"}
 TYPE_PREFIX = {"qwen2": "Qwen2", "llama": "Llama"}
 
 
@@ -44,7 +47,7 @@ class CheckpointError(UserError):
 
 
 def read_config(path) -> tuple[dict, str]:
-    """config.json -> (ModelConfig keyword arguments, head kind "lm" | "value")."""
+    """config.json -> (ModelConfig keyword arguments, head kind "lm" | "value" | "reward")."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -131,7 +134,7 @@ def hf_config(cfg, head: str, dtype: torch.dtype) -> dict:
         out.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
     else:
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers)
-    if head == "value":
+    if head in ("value", "reward"):
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
 

@@ -297,6 +297,7 @@ class Decoder(nn.Module):
 
 class CausalLM(nn.Module):
     """The policy and the reference: decoder + LM head (HF `Qwen2ForCausalLM` / `LlamaForCausalLM`)."""
+    hf_head = "lm"  # the head save_pretrained names in config.json (hf_format.HEAD_ARCH)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -321,6 +322,7 @@ class CausalLM(nn.Module):
 
 class ValueModel(nn.Module):
     """The critic: decoder + scalar head, one value per position [B, T]."""
+    hf_head = "value"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -400,7 +402,7 @@ def save_pretrained(model, path, dtype=None, state_dict=None):
     sd = dict(state_dict if state_dict is not None else model.state_dict())
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # safetensors stores a shared tensor once; HF re-ties on load
-    head = "value" if isinstance(model, ValueModel) else "lm"
+    head = getattr(model, "hf_head", "lm")  # "lm" | "value" | "reward" (reward_model.RewardModel)
     out_dtype = dtype or next(iter(sd.values())).dtype
     (path / "config.json").write_text(json.dumps(hf_format.hf_config(cfg, head, out_dtype), indent=2))
     hf_format.save_tensors(sd, path, dtype)

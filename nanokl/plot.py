@@ -51,8 +51,8 @@ def plot_run(run_dir, out=None) -> Path:
         ax.plot(x2, y2, label="KL loss", alpha=0.7)
     if kl_ctrl.get("type") == "adaptive":
         ax.axhline(kl_ctrl["target_kl"], color="k", ls="--", lw=1, label=f"target_kl {kl_ctrl['target_kl']}")
-    if monitor.get("enable") and monitor.get("kl_band"):
-        lo, hi = monitor["kl_band"]
+    if monitor.get("enable") and "kl_low" in monitor and "kl_high" in monitor:
+        lo, hi = monitor["kl_low"], monitor["kl_high"]
         ax.axhspan(lo, hi, color="g", alpha=0.1, label="healthy band")
     ax.set_ylabel("KL")
     ax.legend(loc="upper left", fontsize=8)

@@ -141,11 +141,11 @@ def test_presets_sit_over_arith_tiny(path, kl_ctrl, band, name):
     cfg = load_config(path)
     k = cfg.algorithm.kl_ctrl
     assert (k.type, k.kl_coef, k.horizon, k.target_kl) == kl_ctrl
-    assert cfg.trainer.kl_monitor.kl_band == band
+    assert (cfg.trainer.kl_monitor.kl_low, cfg.trainer.kl_monitor.kl_high) == band
     assert cfg.trainer.experiment_name == name
     # Everything the preset does not mention is arith_tiny's, siblings of merged sections included.
     tiny = load_config(TINY)
-    assert cfg.trainer.kl_monitor.action == tiny.trainer.kl_monitor.action == "warn"
+    assert cfg.trainer.kl_monitor.kl_stop_action == tiny.trainer.kl_monitor.kl_stop_action == "warn"
     assert cfg.trainer.logger == ["console", "jsonl"]
     assert cfg.data == tiny.data and cfg.actor_rollout_ref == tiny.actor_rollout_ref
     assert cfg.sft == tiny.sft and cfg.critic == tiny.critic
@@ -301,7 +301,8 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
     ("critic.loss_agg_mode=sum", "critic.loss_agg_mode must be one of token-mean"),
     ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.strategy must be one of none, ddp, fsdp2"),
     ("trainer.logger=[console,wandbb]", "trainer.logger[1] must be one of console, jsonl, tensorboard, wandb"),
-    ("trainer.kl_monitor.action=panic", "trainer.kl_monitor.action must be one of warn, stop, rollback"),
+    ("trainer.kl_monitor.kl_stop_action=panic", "trainer.kl_monitor.kl_stop_action must be one of warn, stop, rollback"),
+    ("reward_model.train.loss=listnet", "reward_model.train.loss must be one of bt, pl"),
     ("data.truncation=middle", "data.truncation must be one of error, left, right"),
 ])
 def test_bad_choice_lists_the_valid_ones(override, expected):
@@ -330,8 +331,12 @@ def test_bad_choice_lists_the_valid_ones(override, expected):
     ("actor_rollout_ref.actor.optim.lr=-1e-5", "actor_rollout_ref.actor.optim.lr"),
     ("actor_rollout_ref.actor.optim.betas=[0.9, 1.0]", "actor_rollout_ref.actor.optim.betas"),
     ("trainer.save_freq=0", "trainer.save_freq"),
-    ("trainer.kl_monitor.kl_band=[0.08, 0.02]", "trainer.kl_monitor.kl_band"),
-    ("trainer.kl_monitor.kl_band=[0.05, 0.05]", "trainer.kl_monitor.kl_band"),
+    ("trainer.kl_monitor.kl_low=0.09", "trainer.kl_monitor.kl_low (0.09) must be below kl_high (0.08)"),
+    ("trainer.kl_monitor.kl_high=0.02", "trainer.kl_monitor.kl_low (0.02) must be below kl_high (0.02)"),
+    ("trainer.kl_monitor.kl_low=-0.01", "trainer.kl_monitor.kl_low"),
+    ("trainer.kl_monitor.kl_stop=0", "trainer.kl_monitor.kl_stop"),
+    ("trainer.kl_monitor.kl_stop_patience=0", "trainer.kl_monitor.kl_stop_patience"),
+    ("trainer.kl_monitor.max_rollbacks=-1", "trainer.kl_monitor.max_rollbacks"),
     ("trainer.kl_monitor.rollback_beta_factor=0.5", "trainer.kl_monitor.rollback_beta_factor"),
     ("data.train_batch_size=60", "actor_rollout_ref.actor.ppo_mini_batch_size (32) must divide data.train_batch_size (60)"),
     ("critic.ppo_mini_batch_size=48", "critic.ppo_mini_batch_size (48) must divide data.train_batch_size (64)"),
@@ -339,13 +344,24 @@ def test_bad_choice_lists_the_valid_ones(override, expected):
     ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n must be > 1 with algorithm.adv_estimator=grpo"),
     ("actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature"),
     ("trainer.resume_mode=resume_path", "trainer.resume_from_path must be set"),
-    ("reward_model.enable=true", "reward_model.model.path must be set"),
+    ("reward_model.train.n=1", "reward_model.train.n must be >= 2"),
+    ("reward_model.train.steps=0", "reward_model.train.steps"),
+    ("reward_model.train.lr=0", "reward_model.train.lr"),
+    ("reward_model.train.num_val_prompts=-1", "reward_model.train.num_val_prompts"),
     ("sft.num_key_value_heads=3", "sft.num_key_value_heads"),
     ("sft.hidden_size=60", "sft.hidden_size"),
 ])
 def test_impossible_value_names_the_key_and_the_argument(override, key):
     msg = error_of(load_config, TINY, [override])
     assert key in msg and f"argument '{override}'" in msg
+
+
+def test_an_enabled_reward_model_needs_a_path():
+    # arith_tiny names where nanokl.reward_model writes the RM, so enabling it is enough there...
+    assert load_config(TINY, ["reward_model.enable=true"]).reward_model.model.path == "runs/arith_tiny/rm"
+    # ...but with no path at all there is nothing to load
+    msg = error_of(load_config, TINY, ["reward_model.enable=true", "reward_model.model.path=null"])
+    assert "reward_model.model.path must be set when reward_model.enable is true" in msg
 
 
 def test_micro_batch_must_divide_the_mini_batch_responses():

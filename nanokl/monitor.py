@@ -1,0 +1,178 @@
+"""The KL health monitor: is this run's KL where it should be, and should we act?
+
+The idea
+--------
+The KL penalty keeps PPO honest: r = score - beta * KL(pi || pi_ref) lets the policy improve only
+as far as the reference (and, with a learned reward, the region the reward model was trained on)
+stays believable (Ziegler et al. 2019; Ouyang et al. 2022; Gao et al. 2023 on reward
+over-optimisation). The adaptive controller (nanokl/kl_ctrl.py) steers the *mean* KL; the failures
+a mean hides, and the ones a controller cannot fix, show in other numbers of the step. The
+monitoring checklist that practitioners' notes on tuning verl's KL thresholds give (KL mean
+0.02-0.08, KL variance < 0.05, policy entropy > 0.2, reward variance < 2.0; early stop when KL >
+0.2 five times in a row; roll back to the last checkpoint) becomes five checks on every step:
+
+  check       fires when (cfg = trainer.kl_monitor)               metric it reads
+  kl_band     KL < kl_low or KL > kl_high                         KL_KEYS: actor/reward_kl_penalty
+                                                                  (KL in the reward), else actor/kl_loss
+  kl_var      KL variance >= kl_var_max                           actor/reward_kl_var
+  entropy     entropy <= entropy_min                              actor/entropy
+  reward_var  reward variance >= reward_var_max                   critic/score/var
+  kl_stop     KL > kl_stop on kl_stop_patience consecutive        (the KL above)
+              steps (fires at the patience-th, and every step
+              after while the streak lasts)
+
+The metrics, as the trainer must log them (verl's names where verl has one):
+  actor/reward_kl_penalty  mean over the step's responses of each response's per-token mean KL
+                           (logged by train_ppo when algorithm.use_kl_in_reward)
+  actor/kl_loss            the KL of the loss term (before kl_loss_coef), when the KL is in the
+                           loss instead (actor.use_kl_loss)
+  actor/reward_kl_var      population variance over the step's responses of that per-response KL
+  actor/entropy            mean per-token entropy of the policy on the step's responses
+  critic/score/var         population variance over the step's responses of the sequence score
+A key that is absent skips its check for that step (a KL-free run has no KL to judge); values may
+be floats or 0-d tensors.
+
+What they mean. KL below the band: the policy is not moving (beta too high), expected in the first
+steps since KL starts at 0. Above it: the policy drifts faster than the controller reacts. A high
+KL *variance* says a few responses carry the KL: the policy found something specific (often an
+exploit) rather than shifting as a whole. Entropy near 0 is mode collapse: one answer, no more
+exploration. A reward variance far above the reference's (a normalised reward model gives 1 on
+reference samples, nanokl/reward_model.py) is the signature of reward hacking. KL above kl_stop
+for several steps in a row is a run the controller has lost.
+
+Each check has an action (`<check>_action`): "warn" (log it), "stop" (save and end the run
+cleanly) or "rollback" (reload the last healthy checkpoint, multiply beta by rollback_beta_factor,
+continue). Defaults: the four level checks warn, kl_stop stops. After max_rollbacks rollbacks a
+further rollback becomes a stop, so a run cannot loop forever.
+
+Semantics, precisely. Thresholds are strict where the checklist says "<" or ">": KL exactly at
+kl_low or kl_high is in the band, KL exactly at kl_stop does not count, entropy must stay *above*
+entropy_min, the variances *below* their maxima. A NaN fails every check it enters (each test is
+written as "not healthy", which NaN is not), so a NaN KL counts toward stopping. The kl_stop streak
+counts consecutive steps that measured a KL: a step without one leaves it as it is; a step at or
+below kl_stop sets it to 0.
+
+Using it (train_ppo.py, when trainer.kl_monitor.enable):
+
+    monitor = KLMonitor(cfg.trainer.kl_monitor)          # restore: monitor.load_state_dict(...)
+    ...each step, after the metrics are complete:
+    events = monitor.check(step, metrics)                # [Event(check, action, message)]
+    metrics.update(monitor.metrics()); metrics["monitor/health"] = monitor.health
+    for e in events: print(e.message)                    # or only when monitor.health != "warn"
+    if monitor.health == "stop": save the checkpoint, end the run
+    if monitor.health == "rollback": load the newest checkpoint saved at a step <= monitor.last_healthy_step
+        (weights, optimizer, data position; NOT the monitor's own state), kl_ctrl.value *=
+        cfg.rollback_beta_factor, then monitor.rolled_back(); if there is no such checkpoint, stop.
+
+`health` is the one word for the console line: "ok" (nothing fired), else the gravest action
+fired this step, "warn" < "rollback" < "stop". `metrics()` gives floats: monitor/healthy (1 when
+nothing fired), monitor/<check>_fired (0/1 for each check that ran this step), monitor/
+kl_band_violations (steps so far outside the band), monitor/kl_over_stop_streak, monitor/rollbacks.
+`state_dict()` / `load_state_dict()` carry all of it through a checkpoint, so a resumed run fires
+exactly where an uninterrupted one would.
+
+tests/test_monitor.py feeds scripted metric streams and checks, against steps written by hand,
+that each check fires at exactly the step it should and not before, every action and escalation,
+skipping of missing keys, NaN, and resume from a state_dict mid-stream.
+"""
+
+from typing import NamedTuple
+
+KL_KEYS = ("actor/reward_kl_penalty", "actor/kl_loss")  # the first present is the step's KL
+KL_VAR_KEY = "actor/reward_kl_var"
+ENTROPY_KEY = "actor/entropy"
+REWARD_VAR_KEY = "critic/score/var"
+
+CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "kl_stop")  # the order events come in
+GRAVITY = {"warn": 1, "rollback": 2, "stop": 3}  # health word = the gravest action fired
+
+
+class Event(NamedTuple):
+    check: str  # one of CHECKS
+    action: str  # "warn" | "stop" | "rollback" (a rollback past max_rollbacks arrives as "stop")
+    message: str  # one line for the log
+
+
+def _read(metrics, key):
+    """The metric as a float, or None when absent (a 0-d tensor or numpy scalar works too)."""
+    v = metrics.get(key)
+    return None if v is None else float(v)
+
+
+class KLMonitor:
+    def __init__(self, cfg):
+        self.cfg = cfg  # a config.KLMonitorConfig
+        self.kl_over_stop_streak = 0  # consecutive measured steps with KL > kl_stop
+        self.kl_band_violations = 0  # steps so far with KL outside [kl_low, kl_high]
+        self.rollbacks = 0  # rollbacks done (rolled_back calls)
+        self.last_healthy_step = None  # last step at which every check that ran passed
+        self.health = "ok"  # this step's word for the console
+        self.fired = {}  # this step: check -> 1.0 fired / 0.0 passed, for the checks that ran
+
+    def check(self, step: int, metrics: dict) -> list[Event]:
+        """Run every check whose metric is present; return the events that fired, in CHECKS order."""
+        c = self.cfg
+        failed = {}  # check -> message
+        self.fired = {}
+        kl_key = next((k for k in KL_KEYS if k in metrics), None)
+        kl = _read(metrics, kl_key) if kl_key else None
+        if kl is not None:
+            if not c.kl_low <= kl <= c.kl_high:
+                self.kl_band_violations += 1
+                failed["kl_band"] = f"KL {kl:.4g} outside the healthy band [{c.kl_low}, {c.kl_high}] ({kl_key})"
+            self.fired["kl_band"] = 0.0
+        for name, key, healthy, what in (
+                ("kl_var", KL_VAR_KEY, lambda v: v < c.kl_var_max, f"KL variance {{:.4g}} >= {c.kl_var_max}"),
+                ("entropy", ENTROPY_KEY, lambda v: v > c.entropy_min, f"entropy {{:.4g}} <= {c.entropy_min}"),
+                ("reward_var", REWARD_VAR_KEY, lambda v: v < c.reward_var_max,
+                 f"reward variance {{:.4g}} >= {c.reward_var_max}")):
+            v = _read(metrics, key)
+            if v is not None:
+                self.fired[name] = 0.0
+                if not healthy(v):  # NaN is not healthy
+                    failed[name] = what.format(v) + f" ({key})"
+        if kl is not None:
+            self.kl_over_stop_streak = 0 if kl <= c.kl_stop else self.kl_over_stop_streak + 1  # NaN counts
+            self.fired["kl_stop"] = 0.0
+            if self.kl_over_stop_streak >= c.kl_stop_patience:
+                failed["kl_stop"] = (f"KL {kl:.4g} > {c.kl_stop} for {self.kl_over_stop_streak} consecutive steps "
+                                     f"(patience {c.kl_stop_patience})")
+
+        events = []
+        for name in CHECKS:
+            if name not in failed:
+                continue
+            self.fired[name] = 1.0
+            action, note = getattr(c, f"{name}_action"), ""
+            if action == "rollback" and self.rollbacks >= c.max_rollbacks:
+                action, note = "stop", f"; {self.rollbacks} rollbacks done (max_rollbacks), stopping instead"
+            events.append(Event(name, action, f"kl_monitor step {step}: {action}: {name}: {failed[name]}{note}"))
+        self.health = max((e.action for e in events), key=GRAVITY.get, default="ok")
+        if not events:
+            self.last_healthy_step = step
+        return events
+
+    def metrics(self) -> dict[str, float]:
+        """monitor/* floats of the latest check (see the module docstring)."""
+        return {"monitor/healthy": float(self.health == "ok"),
+                **{f"monitor/{name}_fired": v for name, v in self.fired.items()},
+                "monitor/kl_band_violations": float(self.kl_band_violations),
+                "monitor/kl_over_stop_streak": float(self.kl_over_stop_streak),
+                "monitor/rollbacks": float(self.rollbacks)}
+
+    def rolled_back(self):
+        """The trainer has reloaded a healthy checkpoint: count it and start the streak again."""
+        self.rollbacks += 1
+        self.kl_over_stop_streak = 0
+
+    def state_dict(self) -> dict:
+        return {"kl_over_stop_streak": self.kl_over_stop_streak, "kl_band_violations": self.kl_band_violations,
+                "rollbacks": self.rollbacks, "last_healthy_step": self.last_healthy_step, "health": self.health,
+                "fired": dict(self.fired)}
+
+    def load_state_dict(self, state: dict):
+        self.kl_over_stop_streak = int(state["kl_over_stop_streak"])
+        self.kl_band_violations = int(state["kl_band_violations"])
+        self.rollbacks = int(state["rollbacks"])
+        self.last_healthy_step = state["last_healthy_step"]
+        self.health, self.fired = state["health"], {k: float(v) for k, v in state["fired"].items()}

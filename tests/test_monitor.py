@@ -1,0 +1,215 @@
+"""nanokl.monitor: each check fires at exactly the step it should, against hand-written streams.
+
+Every expected value below is written out by hand from the thresholds, not computed by the code
+under test: the steps at which each check fires, the health word and action of each step, the
+streak counts, and the metrics after each step.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from nanokl.config import KLMonitorConfig, load_config
+from nanokl.monitor import CHECKS, Event, KLMonitor
+
+KL, KL_LOSS, KL_VAR, ENT, RVAR = ("actor/reward_kl_penalty", "actor/kl_loss", "actor/reward_kl_var",
+                                  "actor/entropy", "critic/score/var")
+HEALTHY = {KL: 0.05, KL_VAR: 0.01, ENT: 1.0, RVAR: 0.5}
+
+
+def cfg(**kw):
+    return dataclasses.replace(KLMonitorConfig(enable=True), **kw)
+
+
+def run(monitor, stream, first_step=1):
+    """Feed metric dicts as steps first_step, first_step+1, ...; per step: (sorted fired (check, action)), health."""
+    out = []
+    for step, m in enumerate(stream, first_step):
+        events = monitor.check(step, m)
+        assert all(isinstance(e, Event) and e.message.startswith(f"kl_monitor step {step}: ") for e in events)
+        out.append((sorted((e.check, e.action) for e in events), monitor.health))
+    return out
+
+
+def fire_steps(monitor, stream, check):
+    """The steps (1-based) at which `check` fired."""
+    return [step for step, (fired, _) in enumerate(run(monitor, stream), 1) if any(c == check for c, _ in fired)]
+
+
+def test_defaults_are_the_checklist_numbers():
+    c = KLMonitorConfig()
+    assert (c.enable, c.kl_low, c.kl_high, c.kl_var_max, c.entropy_min, c.reward_var_max, c.kl_stop,
+            c.kl_stop_patience) == (False, 0.02, 0.08, 0.05, 0.2, 2.0, 0.2, 5)
+    assert (c.kl_band_action, c.kl_var_action, c.entropy_action, c.reward_var_action, c.kl_stop_action) == \
+        ("warn", "warn", "warn", "warn", "stop")
+    assert (c.rollback_beta_factor, c.max_rollbacks) == (2.0, 3)
+    assert {f"{name}_action" for name in CHECKS} <= {f.name for f in dataclasses.fields(KLMonitorConfig)}
+
+
+def test_kl_stop_fires_at_the_fifth_consecutive_step_and_not_before():
+    kls = [0.3, 0.3, 0.3, 0.3, 0.05, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.05]
+    #      1    2    3    4    5     6    7    8    9    10   11   12    (step)
+    mon = KLMonitor(cfg())
+    assert fire_steps(mon, [{KL: k} for k in kls], "kl_stop") == [10, 11]
+    streaks = []
+    mon = KLMonitor(cfg())
+    for step, k in enumerate(kls, 1):
+        mon.check(step, {KL: k})
+        streaks.append(mon.metrics()["monitor/kl_over_stop_streak"])
+    assert streaks == [1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0]
+    words = [health for _, health in run(KLMonitor(cfg()), [{KL: k} for k in kls])]
+    # 0.3 is also above the band (a warning) on every step it appears; the stop is graver
+    assert words == ["warn"] * 4 + ["ok"] + ["warn"] * 4 + ["stop"] * 2 + ["ok"]
+
+
+def test_kl_stop_reads_its_threshold_strictly_and_its_patience():
+    mon = KLMonitor(cfg(kl_stop=0.1, kl_stop_patience=3, kl_low=0.0, kl_high=1.0))
+    kls = [0.1, 0.1000001, 0.5, 0.1, 0.2, 0.2, 0.2, 0.2]  # exactly kl_stop does not count
+    assert fire_steps(mon, [{KL: k} for k in kls], "kl_stop") == [7, 8]
+
+
+@pytest.mark.parametrize("check, key, stream, expected", [
+    # the band is closed: 0.02 and 0.08 are inside
+    ("kl_band", KL, [0.0, 0.0199, 0.02, 0.05, 0.08, 0.0801, 0.06, 0.019], [1, 2, 6, 8]),
+    # the variances must stay strictly below their maxima
+    ("kl_var", KL_VAR, [0.0, 0.04, 0.0499, 0.05, 0.2, 0.01], [4, 5]),
+    ("reward_var", RVAR, [1.0, 1.99, 2.0, 5.0, 1.0, 2.5], [3, 4, 6]),
+    # entropy must stay strictly above entropy_min
+    ("entropy", ENT, [1.0, 0.8, 0.5, 0.2001, 0.2, 0.1, 0.3], [5, 6]),
+])
+def test_each_level_check_fires_exactly_where_its_metric_crosses(check, key, stream, expected):
+    mon = KLMonitor(cfg())
+    steps = fire_steps(mon, [{**HEALTHY, key: v} for v in stream], check)
+    assert steps == expected
+    # and nothing else fired on a stream that is healthy everywhere else
+    mon = KLMonitor(cfg())
+    for step, (fired, health) in enumerate(run(mon, [{**HEALTHY, key: v} for v in stream]), 1):
+        assert fired == ([(check, "warn")] if step in expected else []) and health == ("warn" if fired else "ok")
+
+
+def test_a_healthy_stream_fires_nothing():
+    mon = KLMonitor(cfg())
+    assert run(mon, [HEALTHY] * 20) == [([], "ok")] * 20
+    assert mon.metrics() == {"monitor/healthy": 1.0, "monitor/kl_band_fired": 0.0, "monitor/kl_var_fired": 0.0,
+                             "monitor/entropy_fired": 0.0, "monitor/reward_var_fired": 0.0,
+                             "monitor/kl_stop_fired": 0.0, "monitor/kl_band_violations": 0.0,
+                             "monitor/kl_over_stop_streak": 0.0, "monitor/rollbacks": 0.0}
+    assert mon.last_healthy_step == 20
+
+
+def test_each_check_carries_its_own_action_and_health_is_the_gravest():
+    mon = KLMonitor(cfg(kl_band_action="warn", kl_var_action="rollback", entropy_action="stop",
+                        reward_var_action="rollback", kl_stop_action="warn", kl_stop_patience=1))
+    stream = [{**HEALTHY, KL_VAR: 0.1},                           # 1 kl_var -> rollback
+              {**HEALTHY, KL: 0.1},                               # 2 kl_band -> warn
+              {**HEALTHY, RVAR: 3.0, KL: 0.1},                    # 3 band warn + reward_var rollback
+              {**HEALTHY, ENT: 0.0, KL_VAR: 0.1},                 # 4 entropy stop + kl_var rollback
+              {**HEALTHY, KL: 0.3},                               # 5 band warn + kl_stop warn
+              HEALTHY]                                            # 6 nothing
+    assert run(mon, stream) == [
+        ([("kl_var", "rollback")], "rollback"),
+        ([("kl_band", "warn")], "warn"),
+        ([("kl_band", "warn"), ("reward_var", "rollback")], "rollback"),
+        ([("entropy", "stop"), ("kl_var", "rollback")], "stop"),
+        ([("kl_band", "warn"), ("kl_stop", "warn")], "warn"),
+        ([], "ok")]
+
+
+def test_events_come_in_check_order_with_a_message_naming_metric_and_threshold():
+    mon = KLMonitor(cfg(kl_stop_patience=1))
+    events = mon.check(7, {KL: 0.5, KL_VAR: 0.1, ENT: 0.1, RVAR: 3.0})
+    assert [e.check for e in events] == ["kl_band", "kl_var", "entropy", "reward_var", "kl_stop"]
+    assert [e.action for e in events] == ["warn"] * 4 + ["stop"]
+    assert "0.5" in events[0].message and "[0.02, 0.08]" in events[0].message and KL in events[0].message
+    assert "0.1" in events[1].message and "0.05" in events[1].message and KL_VAR in events[1].message
+    assert ENT in events[2].message and RVAR in events[3].message
+    assert events[4].message == ("kl_monitor step 7: stop: kl_stop: KL 0.5 > 0.2 for 1 consecutive steps "
+                                 "(patience 1)")
+
+
+def test_rollback_resets_the_streak_and_escalates_to_stop_after_max_rollbacks():
+    mon = KLMonitor(cfg(kl_stop_action="rollback", kl_stop_patience=2, max_rollbacks=1, kl_low=0.0, kl_high=1.0))
+    assert run(mon, [{KL: 0.05}, {KL: 0.3}, {KL: 0.3}]) == [([], "ok"), ([], "ok"), ([("kl_stop", "rollback")], "rollback")]
+    assert mon.last_healthy_step == 2  # step 2 had KL > kl_stop, but no check fired yet
+    mon.rolled_back()  # the trainer reloaded a checkpoint <= step 2 and raised beta
+    assert mon.metrics()["monitor/rollbacks"] == 1.0 and mon.kl_over_stop_streak == 0
+    # the streak starts again: the next fire is two steps later, and a second rollback is over the limit
+    got = run(mon, [{KL: 0.3}, {KL: 0.3}], first_step=3)
+    assert got == [([], "ok"), ([("kl_stop", "stop")], "stop")]
+    assert "max_rollbacks" in mon.check(5, {KL: 0.3})[0].message
+
+
+def test_max_rollbacks_zero_means_never_roll_back():
+    mon = KLMonitor(cfg(entropy_action="rollback", max_rollbacks=0))
+    assert run(mon, [{ENT: 0.1}]) == [([("entropy", "stop")], "stop")]
+
+
+def test_band_violations_count_and_last_healthy_step():
+    mon = KLMonitor(cfg())
+    run(mon, [{KL: 0.0}, {KL: 0.05}, {KL: 0.01}, {KL: 0.09}, {KL: 0.05}, {KL: 0.5}])
+    assert mon.metrics()["monitor/kl_band_violations"] == 4.0
+    assert mon.last_healthy_step == 5
+    assert KLMonitor(cfg()).last_healthy_step is None  # nothing checked yet: no healthy step known
+
+
+def test_kl_comes_from_the_reward_penalty_else_the_kl_loss():
+    c = cfg(kl_stop_patience=1)
+    assert run(KLMonitor(c), [{KL_LOSS: 0.5}]) == [([("kl_band", "warn"), ("kl_stop", "stop")], "stop")]
+    # with both present the in-reward KL (the one the controller holds) is judged
+    assert run(KLMonitor(c), [{KL: 0.05, KL_LOSS: 0.5}]) == [([], "ok")]
+
+
+def test_missing_metrics_skip_their_checks_and_leave_the_streak():
+    mon = KLMonitor(cfg())
+    run(mon, [{KL: 0.3}, {KL: 0.3}])
+    assert mon.check(3, {ENT: 1.0}) == []  # a step without a KL measurement
+    assert mon.metrics() == {"monitor/healthy": 1.0, "monitor/entropy_fired": 0.0,
+                             "monitor/kl_band_violations": 2.0, "monitor/kl_over_stop_streak": 2.0,
+                             "monitor/rollbacks": 0.0}
+    assert mon.check(4, {}) == [] and mon.health == "ok"
+    run(mon, [{KL: 0.3}, {KL: 0.3}], first_step=5)
+    assert mon.kl_over_stop_streak == 4
+    assert [e.check for e in mon.check(7, {KL: 0.3})] == ["kl_band", "kl_stop"]  # the 5th measured step
+
+
+def test_nan_fails_every_check_it_enters_and_counts_toward_stopping():
+    mon = KLMonitor(cfg(kl_stop_patience=2))
+    nan = math.nan
+    assert run(mon, [{KL: nan, KL_VAR: nan, ENT: nan, RVAR: nan}]) == \
+        [([("entropy", "warn"), ("kl_band", "warn"), ("kl_var", "warn"), ("reward_var", "warn")], "warn")]
+    assert mon.kl_over_stop_streak == 1
+    assert run(mon, [{KL: nan}], first_step=2) == [([("kl_band", "warn"), ("kl_stop", "stop")], "stop")]
+
+
+def test_tensor_metrics_are_read():
+    mon = KLMonitor(cfg())
+    assert [e.check for e in mon.check(1, {KL: torch.tensor(0.5), ENT: torch.tensor(0.1, dtype=torch.float64)})] == \
+        ["kl_band", "entropy"]
+
+
+def test_state_round_trip_resumes_exactly():
+    c = load_config(None, ["trainer.kl_monitor.enable=true", "trainer.kl_monitor.kl_stop_action=rollback",
+                           "trainer.kl_monitor.kl_stop_patience=3"]).trainer.kl_monitor
+    stream = [{**HEALTHY, KL: k, ENT: e} for k, e in
+              [(0.05, 1.0), (0.3, 1.0), (0.3, 0.1), (0.05, 1.0), (0.3, 1.0), (0.3, 1.0), (0.3, 1.0), (0.3, 0.5)]]
+    straight = KLMonitor(c)
+    whole = [(run(straight, [m], step)[0], straight.metrics()) for step, m in enumerate(stream, 1)]
+    # by hand: the kl_stop streak per step is 0,1,2,0,1,2,3,4 -> kl_stop fires at steps 7 and 8
+    assert [w[0] for w in whole] == [
+        ([], "ok"), ([("kl_band", "warn")], "warn"), ([("entropy", "warn"), ("kl_band", "warn")], "warn"),
+        ([], "ok"), ([("kl_band", "warn")], "warn"), ([("kl_band", "warn")], "warn"),
+        ([("kl_band", "warn"), ("kl_stop", "rollback")], "rollback"),
+        ([("kl_band", "warn"), ("kl_stop", "rollback")], "rollback")]
+    first = KLMonitor(c)
+    for step, m in enumerate(stream[:5], 1):
+        first.check(step, m)
+    state = first.state_dict()
+    resumed = KLMonitor(c)
+    resumed.load_state_dict(dict(state))
+    assert resumed.metrics() == whole[4][1] and resumed.health == whole[4][0][1]
+    rest = [(run(resumed, [m], step)[0], resumed.metrics()) for step, m in enumerate(stream[5:], 6)]
+    assert rest == whole[5:]
+    assert resumed.state_dict() == straight.state_dict()
+    assert straight.state_dict()["last_healthy_step"] == 4
