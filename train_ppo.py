@@ -39,6 +39,7 @@ from nanokl.metrics import add_stats, explained_variance, global_var, timer
 from nanokl.model import from_pretrained, load_value_model
 from nanokl.monitor import KLMonitor
 from nanokl.reward_model import load_reward_model
+from nanokl.reward_model import train_from_config as train_reward_model
 from nanokl.scoring import score_batch, validate
 from nanokl.rollout import generate
 from nanokl.sft import train_sft
@@ -79,6 +80,12 @@ def make_optimizer(model, optim, total_steps):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
 
 
+def healthy(monitor):
+    """May a rollback return to this step's checkpoint? Yes unless a check that acts (rollback or
+    stop) fired, or the KL is already above kl_stop (a streak under way is not health)."""
+    return monitor is None or (monitor.health in ("ok", "warn") and monitor.kl_over_stop_streak == 0)
+
+
 def main(argv=None):
     cfg = parse_cli(argv)
     d, arr, alg, t, c = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer, cfg.critic
@@ -110,6 +117,13 @@ def main(argv=None):
         dist.barrier()
     if not model_path.is_dir():
         raise UserError(f"model directory {str(model_path)!r} does not exist (actor_rollout_ref.model.path)")
+    rm_path = cfg.reward_model.model.path
+    if cfg.reward_model.enable and not (Path(rm_path) / "config.json").exists() and cfg.reward_model.train.data_path:
+        if rank == 0:  # the config says how to distil one from rankings: do it first, like the warm start
+            print(f"no reward model at {rm_path}: training it from rankings first (nanokl.reward_model)",
+                  file=sys.stderr)
+            train_reward_model(cfg)
+        dist.barrier()
     tok = load_tokenizer(arr.model.tokenizer_path)
     train, val = load_data(cfg)
     use_critic = alg.adv_estimator == "gae"
@@ -140,7 +154,7 @@ def main(argv=None):
     actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps)
     critic_opt, critic_sched = make_optimizer(critic, c.optim, total_steps) if use_critic else (None, None)
     kl_ctrl = make_kl_controller(alg.kl_ctrl)
-    rm = load_reward_model(cfg.reward_model.model.path, device=device).eval() if cfg.reward_model.enable else None
+    rm = load_reward_model(rm_path, device=device).eval() if cfg.reward_model.enable else None
     km = t.kl_monitor
     monitor = KLMonitor(km) if km.enable else None
     rollback_on = monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in
@@ -359,7 +373,7 @@ def main(argv=None):
             break
         if (t.save_freq > 0 and (step + 1) % t.save_freq == 0) or last:
             with timer(metrics, "save_checkpoint", device):
-                checkpoint(step + 1, healthy=monitor is None or monitor.health in ("ok", "warn"))
+                checkpoint(step + 1, healthy=healthy(monitor))
         tracker.log(metrics, step=step + 1)
     tracker.close()
 

@@ -274,6 +274,7 @@ class KLMonitorConfig:
     reward_var_action: MonitorAction = "warn"  # when the reward variance check fails
     kl_stop_action: MonitorAction = "stop"  # when KL > kl_stop for kl_stop_patience steps in a row
     rollback_beta_factor: float = 2.0  # rollback: beta is multiplied by this after reloading
+    rollback_min_beta: float = 0.01  # rollback: beta is first raised to at least this (0 times a factor is 0)
     max_rollbacks: int = 3  # a rollback beyond this many becomes a stop (no endless reload loop)
 
 
