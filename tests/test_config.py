@@ -338,6 +338,7 @@ def test_bad_choice_lists_the_valid_ones(override, expected):
     ("trainer.kl_monitor.kl_stop_patience=0", "trainer.kl_monitor.kl_stop_patience"),
     ("trainer.kl_monitor.max_rollbacks=-1", "trainer.kl_monitor.max_rollbacks"),
     ("trainer.kl_monitor.rollback_beta_factor=0.5", "trainer.kl_monitor.rollback_beta_factor"),
+    ("trainer.kl_monitor.rollback_min_beta=-0.1", "trainer.kl_monitor.rollback_min_beta"),
     ("data.train_batch_size=60", "actor_rollout_ref.actor.ppo_mini_batch_size (32) must divide data.train_batch_size (60)"),
     ("critic.ppo_mini_batch_size=48", "critic.ppo_mini_batch_size (48) must divide data.train_batch_size (64)"),
     ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (5)"),

@@ -44,7 +44,7 @@ def test_defaults_are_the_checklist_numbers():
             c.kl_stop_patience) == (False, 0.02, 0.08, 0.05, 0.2, 2.0, 0.2, 5)
     assert (c.kl_band_action, c.kl_var_action, c.entropy_action, c.reward_var_action, c.kl_stop_action) == \
         ("warn", "warn", "warn", "warn", "stop")
-    assert (c.rollback_beta_factor, c.max_rollbacks) == (2.0, 3)
+    assert (c.rollback_beta_factor, c.max_rollbacks, c.rollback_min_beta) == (2.0, 3, 0.01)
     assert {f"{name}_action" for name in CHECKS} <= {f.name for f in dataclasses.fields(KLMonitorConfig)}
 
 

@@ -1,0 +1,75 @@
+"""The KL monitor acting on a real run (train_ppo.py) that is made to blow up.
+
+A policy with a learning rate of 0.05 and no KL penalty (fixed beta = 0) leaves its reference in a
+few steps: the per-token KL goes 0 -> ~0.2 -> ~1 (tests/test_monitor.py covers the checks on
+scripted streams; here the trainer's response to them is tested).
+
+- rollback: when KL > kl_stop for kl_stop_patience=2 steps, the run reloads the last healthy
+  checkpoint (the forced step-0 one, i.e. the reference weights, so the next step measures a KL
+  of exactly 0), raises beta from 0 to rollback_min_beta * rollback_beta_factor, and goes on; one
+  rollback past max_rollbacks becomes a stop.
+- stop: the run ends with exit status 0 at the first step whose streak reaches the patience, with
+  a checkpoint of that step and a message naming the check.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train_ppo
+from nanokl.checkpoint import latest_checkpoint
+from nanokl.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOW_UP = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data.max_response_length=32",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+           "trainer.logger=[console,jsonl]", "trainer.test_freq=-1", "trainer.val_before_train=false",
+           "algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0", "actor_rollout_ref.actor.optim.lr=0.05",
+           "trainer.kl_monitor.enable=true", "trainer.kl_monitor.kl_stop_patience=2", "trainer.save_freq=2"]
+
+
+def first_streak_end(rows, threshold=0.2, patience=2):
+    """The first step that ends `patience` consecutive steps with KL > threshold (independent of monitor.py)."""
+    streak = 0
+    for r in rows:
+        streak = streak + 1 if r["actor/reward_kl_penalty"] > threshold else 0
+        if streak == patience:
+            return r["training/global_step"]
+    return None
+
+
+def test_rollback_reloads_the_healthy_checkpoint_and_raises_beta(sft_dir, tmp_path, capfd):
+    train_ppo.main(["--config", str(ROOT / "configs" / "arith_tiny.yaml"), *BLOW_UP,
+                    f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={tmp_path}",
+                    "trainer.total_training_steps=12", "trainer.kl_monitor.kl_stop_action=rollback",
+                    "trainer.kl_monitor.max_rollbacks=1", "trainer.kl_monitor.rollback_min_beta=0.01"])
+    err = capfd.readouterr().err
+    rows = [r for r in read_metrics(tmp_path) if "actor/reward_kl_penalty" in r]
+    fired = first_streak_end(rows)
+    assert fired is not None, "the blow-up run never crossed kl_stop twice in a row"
+    at = {r["training/global_step"]: r for r in rows}
+    assert at[fired]["monitor/health"] == "rollback" and at[fired]["monitor/rollbacks"] == 0
+    assert f"rolled back to {tmp_path / 'checkpoints' / 'global_step_0'}" in err
+    after = at[fired + 1]
+    assert after["monitor/rollbacks"] == 1
+    assert after["actor/reward_kl_penalty_coeff"] == pytest.approx(0.02)  # max(0, 0.01) * factor 2
+    assert all(r["actor/reward_kl_penalty_coeff"] == 0 for r in rows if r["training/global_step"] <= fired)
+    # the rollout right after the rollback sampled from the reference weights again: KL exactly 0
+    assert abs(after["actor/reward_kl_penalty"]) < 1e-6
+    # the second time the streak completes, max_rollbacks=1 turns the rollback into a stop
+    assert rows[-1]["monitor/health"] == "stop" and "max_rollbacks" in err
+
+
+def test_stop_ends_cleanly_with_a_checkpoint_and_says_why(sft_dir, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--config", str(ROOT / "configs" / "arith_tiny.yaml"),
+                           *BLOW_UP, f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={tmp_path}",
+                           "trainer.total_training_steps=12", "trainer.kl_monitor.kl_stop_action=stop"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in read_metrics(tmp_path) if "actor/reward_kl_penalty" in r]
+    fired = first_streak_end(rows)
+    assert fired is not None and rows[-1]["training/global_step"] == fired  # not a step before, none after
+    assert latest_checkpoint(tmp_path).name == f"global_step_{fired}"
+    assert f"kl_monitor stopped the run at step {fired} (check: kl_stop)" in proc.stderr
