@@ -231,7 +231,7 @@ class RewardModelConfig:
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     train: RewardModelTrainConfig = field(default_factory=RewardModelTrainConfig)  # python -m nanokl.reward_model
     micro_batch_size_per_gpu: Optional[int] = None  # responses per reward-model forward; None -> all
-    max_length: Optional[int] = None  # truncate prompt+response to this for the reward model; None: no cut
+    max_length: Optional[int] = None  # PPO scoring: the RM sees each sequence's last this-many tokens; None: all
     missing_eos_penalty: float = 0.0  # subtracted from the score of a response cut off before its EOS
     score_method: Literal["strict", "flexible"] = "strict"  # GSM8K: last '#### N' (strict) or last number
 

@@ -24,6 +24,16 @@ from nanokl.reward_model import score_with_rm
 from nanokl.rollout import generate
 
 
+def keep_last_tokens(attention_mask, max_length=None):
+    """The mask with only each row's last `max_length` real tokens kept (reward_model.max_length):
+    the reward model reads the end of the response, so a long prompt loses its beginning. Masked
+    tokens count as padding, and position ids restart from the first kept token."""
+    if max_length is None:
+        return attention_mask
+    from_end = attention_mask.flip(-1).cumsum(-1).flip(-1)  # real tokens at or after each position
+    return attention_mask * (from_end <= max_length)
+
+
 def score_batch(tok, out, examples, cfg, rm=None):
     """Decode and score by rule; with a reward model (reward_model.enable) the RM's normalised
     score is the reward instead, and the rule score is kept to be logged beside it (a growing gap
@@ -33,7 +43,8 @@ def score_batch(tok, out, examples, cfg, rm=None):
     rule = torch.tensor([score_response(t, ex, cfg.reward_model.score_method) for t, ex in zip(texts, examples)])
     scores = rule
     if rm is not None:
-        scores = score_with_rm(rm, out.sequences, out.attention_mask, cfg.reward_model.micro_batch_size_per_gpu).cpu()
+        mask = keep_last_tokens(out.attention_mask, cfg.reward_model.max_length)
+        scores = score_with_rm(rm, out.sequences, mask, cfg.reward_model.micro_batch_size_per_gpu).cpu()
     last = (out.response_mask.sum(-1) - 1).clamp(min=0)
     ended = torch.isin(out.responses.gather(1, last[:, None])[:, 0], torch.tensor(tok.eos_token_ids, device=last.device))
     missing_eos = ~ended | (out.response_mask.sum(-1) == 0)
