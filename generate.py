@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from nanokl.config_io import UserError, run_cli
-from nanokl.model import from_pretrained
+from nanokl.hf_format import from_pretrained
 from nanokl.rollout import generate
 from nanokl.tokenizer import apply_template, load_tokenizer
 

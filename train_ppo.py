@@ -36,7 +36,7 @@ from nanokl.gae import compute_gae_advantage_return, compute_grpo_outcome_advant
 from nanokl.kl import kl_penalty
 from nanokl.kl_ctrl import make_kl_controller
 from nanokl.metrics import add_stats, explained_variance, global_var, timer
-from nanokl.model import from_pretrained, load_value_model
+from nanokl.hf_format import from_pretrained, load_value_model
 from nanokl.monitor import KLMonitor
 from nanokl.reward_model import load_reward_model
 from nanokl.reward_model import train_from_config as train_reward_model

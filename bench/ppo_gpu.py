@@ -21,7 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_ppo  # noqa: E402
-from nanokl.model import CausalLM, ModelConfig, init_weights, save_pretrained  # noqa: E402
+from nanokl.hf_format import save_pretrained  # noqa: E402
+from nanokl.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from nanokl.tokenizer import train_tokenizer  # noqa: E402
 from nanokl.tracking import read_metrics  # noqa: E402
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanokl import hf_format as H  # noqa: E402
 from nanokl import model as M  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
 
@@ -52,7 +53,7 @@ def make_checkpoint(size, root):
         torch.manual_seed(0)
         cfg = M.ModelConfig(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6,
                             max_position_embeddings=4096, **SHAPES[size])
-        M.save_pretrained(M.init_weights(M.CausalLM(cfg)), path)
+        H.save_pretrained(M.init_weights(M.CausalLM(cfg)), path)
     return path
 
 
@@ -95,7 +96,7 @@ def load(impl, args, dev):
     if impl == "hf":
         import transformers
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
-    return M.from_pretrained(path, device=dev, dtype=dtype).eval()
+    return H.from_pretrained(path, device=dev, dtype=dtype).eval()
 
 
 def runner(impl, model, args, dev):

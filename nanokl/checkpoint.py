@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from nanokl.config_io import UserError
-from nanokl.model import save_pretrained
+from nanokl.hf_format import save_pretrained
 
 POINTER = "latest_checkpointed_iteration.txt"
 
@@ -106,7 +106,7 @@ def latest_checkpoint(run_dir) -> Path | None:
 
 def load_state(path) -> tuple[dict, dict]:
     """(optimizer states, trainer state) of a checkpoint directory; weights load separately
-    with nanokl.model.from_pretrained(path / "actor") etc."""
+    with nanokl.hf_format.from_pretrained(path / "actor") etc."""
     path = Path(path)
     for f in ("optim.pt", "trainer_state.pt"):
         if not (path / f).is_file():

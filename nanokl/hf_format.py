@@ -1,4 +1,4 @@
-"""The Hugging Face checkpoint format: `config.json` fields and safetensors tensor names.
+"""The Hugging Face checkpoint format, and nanokl's models in and out of it.
 
 A model directory written by `transformers` holds `config.json` (the architecture as JSON) and the
 weights as `model.safetensors`, or as shards listed in `model.safetensors.index.json`. Safetensors
@@ -13,9 +13,11 @@ Two details of the format trip readers up, and both are handled here:
   with `use_diff`, and that default for `tie_word_embeddings` is True: a missing field means tied.
   With tied embeddings the file has no `lm_head.weight` (safetensors cannot store one tensor twice).
 
-The model code (nanokl/model.py) turns these into a `ModelConfig` and a module; this file only
-reads and writes the format, and raises `CheckpointError` naming the missing file, the
-unsupported architecture, or the tensor whose name or shape is wrong. tests/test_model.py checks
+`from_pretrained` (policy, reference), `load_value_model` (critic) and `save_pretrained` turn a
+directory into nanokl's modules (nanokl/model.py) and back: the module is built on the meta
+device, so no memory is spent on random weights that the loaded tensors replace. A bad directory
+raises `CheckpointError` naming the missing file, the unsupported architecture, or the tensor
+whose name or shape is wrong. tests/test_model.py checks
 both directions against `transformers` itself.
 """
 
@@ -27,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanokl.config_io import UserError
+from nanokl.model import CausalLM, ModelConfig, ValueModel, rope_inv_freq
 
 # architecture name in config.json -> (model_type, head): "lm" a causal LM, "value" a scalar head
 # at every position (the critic), "reward" a bias-free scalar head at the last token (reward model)
@@ -179,3 +182,63 @@ def save_tensors(state_dict: dict, path, dtype=None):
     tmp = path / "model.safetensors.tmp"
     save_file(out, tmp, metadata={"format": "pt"})
     os.replace(tmp, path / "model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# nanokl modules from and to a directory
+
+
+def build_model(cls, cfg, tensors, path, ignore, device, dtype):
+    """Build on the meta device (no memory), then adopt the loaded tensors as parameters."""
+    with torch.device("meta"):
+        model = cls(cfg)
+    expected = {n: p.shape for n, p in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        ignore = (*ignore, "lm_head.weight")
+    sd = check_tensors(expected, tensors, path, ignore)
+    model.load_state_dict({n: t.to(dtype) for n, t in sd.items()}, strict=False, assign=True)
+    if isinstance(model, CausalLM) and cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.inv_freq = rope_inv_freq(cfg).to(device)  # a buffer, not in the file
+    return model.to(device)
+
+
+def from_pretrained(path, device=None, dtype=None) -> CausalLM:
+    """Load a Qwen2/Llama causal LM from a Hugging Face directory (fp32 unless `dtype` says)."""
+    kw, _ = read_config(path)
+    cfg = ModelConfig(**kw)
+    device = torch.device(device or "cpu")
+    tensors = load_tensors(path, device)
+    return build_model(CausalLM, cfg, tensors, path, ("score.weight", "score.bias"), device, dtype or torch.float32)
+
+
+def load_value_model(path, device=None, dtype=None) -> ValueModel:
+    """The critic: from a value-model directory, or a causal LM whose head is swapped for `score`
+    (a fresh normal(0, initializer_range) row, as verl's critic gets from `transformers`)."""
+    kw, head = read_config(path)
+    cfg = ModelConfig(**kw)
+    device = torch.device(device or "cpu")
+    dtype = dtype or torch.float32
+    tensors = load_tensors(path, device)
+    if head == "lm":
+        tensors.pop("lm_head.weight", None)
+        tensors["score.weight"] = torch.randn(1, cfg.hidden_size, device=device) * cfg.initializer_range
+        tensors["score.bias"] = torch.zeros(1, device=device)
+    return build_model(ValueModel, cfg, tensors, path, (), device, dtype)
+
+
+def save_pretrained(model, path, dtype=None, state_dict=None):
+    """Write config.json + model.safetensors that `transformers` loads as Qwen2/Llama
+    For{CausalLM,TokenClassification}. `state_dict` overrides the module's (e.g. gathered from
+    FSDP shards); `dtype` casts on the way out."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    sd = dict(state_dict if state_dict is not None else model.state_dict())
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # safetensors stores a shared tensor once; HF re-ties on load
+    head = getattr(model, "hf_head", "lm")  # "lm" | "value" | "reward" (reward_model.RewardModel)
+    out_dtype = dtype or next(iter(sd.values())).dtype
+    (path / "config.json").write_text(json.dumps(hf_config(cfg, head, out_dtype), indent=2))
+    save_tensors(sd, path, dtype)

@@ -41,22 +41,20 @@ The value model (critic) is the same backbone with a scalar head `score` [1, hid
 position, named as `transformers`' `Qwen2ForTokenClassification` / `LlamaForTokenClassification`
 with `num_labels=1` (what verl loads for its critic), initialised from a causal-LM checkpoint.
 
-Tests (tests/test_model.py) load random `transformers` models into nanokl and back and compare
-logits (<= 1e-4 fp32), and check that prefill + token-by-token decoding through the cache gives the
-logits of one full forward (<= 1e-5), also for a left-padded batch.
+Loading and saving Hugging Face directories (`from_pretrained`, `load_value_model`,
+`save_pretrained`) is nanokl/hf_format.py's job. Tests (tests/test_model.py) load random
+`transformers` models into nanokl and back and compare logits (<= 1e-4 fp32), and check that
+prefill + token-by-token decoding through the cache gives the logits of one full forward
+(<= 1e-5), also for a left-padded batch.
 """
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-from nanokl import hf_format
 
 
 @dataclass
@@ -344,65 +342,3 @@ def init_weights(model: nn.Module, std=0.02):
         elif isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
     return model
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face checkpoints (the format itself is in nanokl/hf_format.py)
-
-
-def _build(cls, cfg, tensors, path, ignore, device, dtype):
-    """Build on the meta device (no memory), then adopt the loaded tensors as parameters."""
-    with torch.device("meta"):
-        model = cls(cfg)
-    expected = {n: p.shape for n, p in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        ignore = (*ignore, "lm_head.weight")
-    sd = hf_format.check_tensors(expected, tensors, path, ignore)
-    model.load_state_dict({n: t.to(dtype) for n, t in sd.items()}, strict=False, assign=True)
-    if isinstance(model, CausalLM) and cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.inv_freq = rope_inv_freq(cfg).to(device)
-    return model.to(device)
-
-
-def from_pretrained(path, device=None, dtype=None) -> CausalLM:
-    """Load a Qwen2/Llama causal LM from a Hugging Face directory (fp32 unless `dtype` says)."""
-    kw, _ = hf_format.read_config(path)
-    cfg = ModelConfig(**kw)
-    device = torch.device(device or "cpu")
-    tensors = hf_format.load_tensors(path, device)
-    return _build(CausalLM, cfg, tensors, path, ("score.weight", "score.bias"), device, dtype or torch.float32)
-
-
-def load_value_model(path, device=None, dtype=None) -> ValueModel:
-    """The critic: from a value-model directory, or a causal LM whose head is swapped for `score`
-    (a fresh normal(0, initializer_range) row, as verl's critic gets from `transformers`)."""
-    kw, head = hf_format.read_config(path)
-    cfg = ModelConfig(**kw)
-    device = torch.device(device or "cpu")
-    dtype = dtype or torch.float32
-    tensors = hf_format.load_tensors(path, device)
-    if head == "lm":
-        tensors.pop("lm_head.weight", None)
-        tensors["score.weight"] = torch.randn(1, cfg.hidden_size, device=device) * cfg.initializer_range
-        tensors["score.bias"] = torch.zeros(1, device=device)
-    return _build(ValueModel, cfg, tensors, path, (), device, dtype)
-
-
-def save_pretrained(model, path, dtype=None, state_dict=None):
-    """Write config.json + model.safetensors that `transformers` loads as Qwen2/Llama
-    For{CausalLM,TokenClassification}. `state_dict` overrides the module's (e.g. gathered from
-    FSDP shards); `dtype` casts on the way out."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
-    sd = dict(state_dict if state_dict is not None else model.state_dict())
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)  # safetensors stores a shared tensor once; HF re-ties on load
-    head = getattr(model, "hf_head", "lm")  # "lm" | "value" | "reward" (reward_model.RewardModel)
-    out_dtype = dtype or next(iter(sd.values())).dtype
-    (path / "config.json").write_text(json.dumps(hf_format.hf_config(cfg, head, out_dtype), indent=2))
-    hf_format.save_tensors(sd, path, dtype)

@@ -51,7 +51,7 @@ import torch
 
 from nanokl.config_io import UserError
 from nanokl.data import ArithDifficulty, build_prompts, make_arith_task
-from nanokl.model import from_pretrained
+from nanokl.hf_format import from_pretrained
 from nanokl.reward import extract_gsm8k_answer, score_response
 from nanokl.rollout import generate
 from nanokl.tokenizer import load_tokenizer

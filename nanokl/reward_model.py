@@ -71,7 +71,8 @@ from nanokl import hf_format
 from nanokl.config import ConfigError, parse_cli, run_cli
 from nanokl.config_io import UserError
 from nanokl.data import arith_difficulty, build_prompts, load_examples, make_arith_task
-from nanokl.model import Decoder, ModelConfig, _build, from_pretrained, save_pretrained
+from nanokl.hf_format import build_model, from_pretrained, save_pretrained
+from nanokl.model import Decoder, ModelConfig
 from nanokl.preference_data import build_preference_data, pair_kinds, read_preferences
 from nanokl.rollout import generate
 from nanokl.tokenizer import apply_template, load_tokenizer
@@ -257,7 +258,7 @@ def load_reward_model(path, device=None, dtype=None) -> RewardModel:
     if head == "lm":
         tensors.pop("lm_head.weight", None)
         tensors["score.weight"] = torch.randn(1, cfg.hidden_size, device=device) * cfg.initializer_range
-    rm = _build(RewardModel, cfg, tensors, path, (), device, dtype or torch.float32)
+    rm = build_model(RewardModel, cfg, tensors, path, (), device, dtype or torch.float32)
     norm = Path(path) / NORM_FILE
     if head == "reward" and norm.is_file():
         stats = json.loads(norm.read_text())

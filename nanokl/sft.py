@@ -35,7 +35,8 @@ from tqdm import tqdm
 
 from nanokl.config import parse_cli, run_cli
 from nanokl.data import arith_difficulty, build_prompts, make_arith_task, mix_answer_formats, task_texts
-from nanokl.model import CausalLM, ModelConfig, init_weights, save_pretrained
+from nanokl.hf_format import save_pretrained
+from nanokl.model import CausalLM, ModelConfig, init_weights
 from nanokl.reward import score_response
 from nanokl.rollout import generate
 from nanokl.tokenizer import apply_template, train_tokenizer

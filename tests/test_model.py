@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from nanokl import hf_format as H
 from nanokl import model as M
 from nanokl.hf_format import CheckpointError
 
@@ -53,7 +54,7 @@ CASES = [("qwen2", True, {}), ("qwen2", False, {}), ("llama", True, {}), ("llama
 def test_transformers_interop_both_ways(kind, tie, extra, tmp_path):
     hf = hf_model(kind, tie, **extra)
     hf.save_pretrained(tmp_path / "hf")
-    ours = M.from_pretrained(tmp_path / "hf").eval()
+    ours = H.from_pretrained(tmp_path / "hf").eval()
     assert ours.config.tie_word_embeddings == tie
     ids, mask = batch()
     with torch.no_grad():
@@ -64,7 +65,7 @@ def test_transformers_interop_both_ways(kind, tie, extra, tmp_path):
         real = mask.bool()
         assert (got_m - ref_m)[real].abs().max() <= 1e-4
 
-    M.save_pretrained(ours, tmp_path / "ours")
+    H.save_pretrained(ours, tmp_path / "ours")
     back = type(hf).from_pretrained(tmp_path / "ours").eval()
     assert back.config.tie_word_embeddings == tie
     with torch.no_grad():
@@ -78,7 +79,7 @@ def test_old_style_rope_theta_and_llama3_scaling(tmp_path):
                "original_max_position_embeddings": 16}
     hf = hf_model("llama", False, rope_parameters={"rope_theta": 500.0, **scaling})
     hf.save_pretrained(tmp_path)
-    ours = M.from_pretrained(tmp_path).eval()
+    ours = H.from_pretrained(tmp_path).eval()
     assert ours.config.rope_scaling["rope_type"] == "llama3" and ours.config.rope_theta == 500.0
     ids = torch.randint(0, 97, (2, 40))  # past original_max_position_embeddings, where scaling acts
     with torch.no_grad():
@@ -89,7 +90,7 @@ def test_old_style_rope_theta_and_llama3_scaling(tmp_path):
     cfg.pop("rope_parameters", None)
     cfg.update(rope_theta=500.0, rope_scaling=scaling)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    old = M.from_pretrained(tmp_path).eval()
+    old = H.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert (old(ids) - hf(ids).logits).abs().max() <= 1e-4
 
@@ -98,13 +99,13 @@ def test_old_style_rope_theta_and_llama3_scaling(tmp_path):
 def test_value_model_round_trip_and_init_from_causal_lm(kind, tmp_path):
     hf = hf_model(kind, False, head="value")
     hf.save_pretrained(tmp_path / "v")
-    critic = M.load_value_model(tmp_path / "v").eval()
+    critic = H.load_value_model(tmp_path / "v").eval()
     ids, mask = batch()
     with torch.no_grad():
         ref = hf(ids, attention_mask=mask).logits[..., 0]
         got = critic(ids, mask)
         assert (got - ref)[mask.bool()].abs().max() <= 1e-4
-    M.save_pretrained(critic, tmp_path / "v2")
+    H.save_pretrained(critic, tmp_path / "v2")
     back = type(hf).from_pretrained(tmp_path / "v2").eval()
     with torch.no_grad():
         assert (back(ids, attention_mask=mask).logits[..., 0] - ref)[mask.bool()].abs().max() <= 1e-4
@@ -112,8 +113,8 @@ def test_value_model_round_trip_and_init_from_causal_lm(kind, tmp_path):
     # from a causal LM: same backbone, fresh score head, so value = score(hidden of the LM)
     lm = hf_model(kind, True)
     lm.save_pretrained(tmp_path / "lm")
-    critic = M.load_value_model(tmp_path / "lm").eval()
-    ours_lm = M.from_pretrained(tmp_path / "lm").eval()
+    critic = H.load_value_model(tmp_path / "lm").eval()
+    ours_lm = H.from_pretrained(tmp_path / "lm").eval()
     with torch.no_grad():
         _, h = ours_lm(ids, mask, return_hidden=True)
         expect = h @ critic.score.weight[0] + critic.score.bias[0]
@@ -174,30 +175,30 @@ def test_gradient_checkpointing_gives_same_gradients():
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
-        M.from_pretrained(tmp_path / "nope")
+        H.from_pretrained(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="missing config.json"):
-        M.from_pretrained(tmp_path / "empty")
+        H.from_pretrained(tmp_path / "empty")
 
-    M.save_pretrained(random_model(), tmp_path / "good")
+    H.save_pretrained(random_model(), tmp_path / "good")
     cfg = json.loads((tmp_path / "good" / "config.json").read_text())
 
     bad = dict(cfg, architectures=["GPT2LMHeadModel"])
     (tmp_path / "good" / "config.json").write_text(json.dumps(bad))
     with pytest.raises(CheckpointError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        M.from_pretrained(tmp_path / "good")
+        H.from_pretrained(tmp_path / "good")
 
     wrong = dict(cfg, intermediate_size=128)  # every MLP tensor now has the wrong shape
     (tmp_path / "good" / "config.json").write_text(json.dumps(wrong))
     with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(96, 64\), expected \(128, 64\)"):
-        M.from_pretrained(tmp_path / "good")
+        H.from_pretrained(tmp_path / "good")
 
     more = dict(cfg, num_hidden_layers=3)
     (tmp_path / "good" / "config.json").write_text(json.dumps(more))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\."):
-        M.from_pretrained(tmp_path / "good")
+        H.from_pretrained(tmp_path / "good")
 
     (tmp_path / "good" / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "good" / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
-        M.from_pretrained(tmp_path / "good")
+        H.from_pretrained(tmp_path / "good")

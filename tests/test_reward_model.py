@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanokl import hf_format as H
 from nanokl import model as M
 from nanokl.model import init_weights
 from nanokl.config import load_config
@@ -170,12 +171,12 @@ def test_rollout_layout_reads_the_last_real_token():
 def test_a_causal_lm_gets_a_fresh_head_and_a_value_model_is_refused(tmp_path):
     cfg = M.ModelConfig(model_type="qwen2", rope_theta=1e4, tie_word_embeddings=False, **TINY)
     lm = M.init_weights(M.CausalLM(cfg))
-    M.save_pretrained(lm, tmp_path / "lm")
+    H.save_pretrained(lm, tmp_path / "lm")
     rm = load_reward_model(tmp_path / "lm")
     assert tuple(rm.score.weight.shape) == (1, TINY["hidden_size"]) and 0 < rm.score.weight.std() < 0.1
     for name, p in lm.model.state_dict().items():
         assert torch.equal(rm.model.state_dict()[name], p)
-    M.save_pretrained(M.init_weights(M.ValueModel(cfg)), tmp_path / "critic")
+    H.save_pretrained(M.init_weights(M.ValueModel(cfg)), tmp_path / "critic")
     with pytest.raises(CheckpointError, match="value model"):
         load_reward_model(tmp_path / "critic")
 

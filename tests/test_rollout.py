@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from nanokl import hf_format as H
 from nanokl import model as M
 from nanokl.rollout import generate, sample_tokens
 
@@ -195,7 +196,7 @@ def test_generate_cli(tmp_path):
     tok = train_tokenizer([f"Q: {a} + {b} = ?\nA: {a + b}" for a in range(30) for b in range(30)], vocab_size=120)
     cfg = M.ModelConfig(model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, rope_theta=1e4)
-    M.save_pretrained(M.init_weights(M.CausalLM(cfg)), tmp_path / "m")
+    H.save_pretrained(M.init_weights(M.CausalLM(cfg)), tmp_path / "m")
     tok.save(tmp_path / "m")
     (tmp_path / "p.txt").write_text("Q: 1 + 2 = ?\nQ: 3 + 4 = ?\n")
     script = Path(__file__).resolve().parents[1] / "generate.py"

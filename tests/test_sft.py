@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanokl import hf_format as H
 from nanokl import model as M
 from nanokl.config import load_config
 from nanokl.data import make_arith_task, mix_answer_formats
@@ -55,7 +56,7 @@ def test_short_run_saves_a_checkpoint_transformers_loads(tmp_path):
     train_sft(cfg, progress=False)
     metrics = json.loads((tmp_path / "sft_metrics.json").read_text())
     assert 0.0 <= metrics["val_greedy_acc"] <= 1.0 and metrics["steps"] == 5
-    ours = M.from_pretrained(tmp_path).eval()
+    ours = H.from_pretrained(tmp_path).eval()
     tok = load_tokenizer(tmp_path)
     assert ours.config.vocab_size == tok.vocab_size and ours.config.eos_token_id == tok.eos_token_id
     transformers = pytest.importorskip("transformers")

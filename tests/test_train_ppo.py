@@ -115,7 +115,7 @@ train_ppo.main(["--config", {str(ROOT / 'configs' / 'arith_tiny.yaml')!r}, *{TIN
     assert (tmp_path / "checkpoints" / "global_step_4.tmp").exists()  # the half-written one
     assert latest_checkpoint(tmp_path) == before  # still the pointer's target
     load_state(before)
-    from nanokl.model import from_pretrained, load_value_model
+    from nanokl.hf_format import from_pretrained, load_value_model
     from_pretrained(before / "actor")
     load_value_model(before / "critic")
 
