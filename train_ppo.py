@@ -37,7 +37,7 @@ from nanokl.kl import kl_penalty
 from nanokl.kl_ctrl import make_kl_controller
 from nanokl.metrics import add_stats, explained_variance, global_var, timer
 from nanokl.hf_format import from_pretrained, load_value_model
-from nanokl.monitor import KLMonitor
+from nanokl.monitor import CHECKS, KLMonitor
 from nanokl.reward_model import load_reward_model
 from nanokl.reward_model import train_from_config as train_reward_model
 from nanokl.scoring import score_batch, validate
@@ -78,12 +78,6 @@ def lr_lambda(optim, total_steps):
 def make_optimizer(model, optim, total_steps):
     opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
-
-
-def healthy(monitor):
-    """May a rollback return to this step's checkpoint? Yes unless a check that acts (rollback or
-    stop) fired, or the KL is already above kl_stop (a streak under way is not health)."""
-    return monitor is None or (monitor.health in ("ok", "warn") and monitor.kl_over_stop_streak == 0)
 
 
 def main(argv=None):
@@ -157,8 +151,7 @@ def main(argv=None):
     rm = load_reward_model(rm_path, device=device).eval() if cfg.reward_model.enable else None
     km = t.kl_monitor
     monitor = KLMonitor(km) if km.enable else None
-    rollback_on = monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in
-                                                         ("kl_band", "kl_var", "entropy", "reward_var", "kl_stop")}
+    rollback_on = monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in CHECKS}
     start, nan_streak, healthy_step = 0, 0, None  # healthy_step: the last checkpoint a rollback may return to
 
     def restore(path, weights=False):
@@ -373,7 +366,7 @@ def main(argv=None):
             break
         if (t.save_freq > 0 and (step + 1) % t.save_freq == 0) or last:
             with timer(metrics, "save_checkpoint", device):
-                checkpoint(step + 1, healthy=healthy(monitor))
+                checkpoint(step + 1, healthy=monitor is None or monitor.rollback_safe)
         tracker.log(metrics, step=step + 1)
     tracker.close()
 

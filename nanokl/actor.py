@@ -158,8 +158,9 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
     W = dist.world()
     for idx in _minibatches(len(batch["responses"]), mini_size, epochs, shuffle, generator):
         mb_all = take(batch, idx)
-        norm = dist.all_reduce(loss_norm(mb_all["response_mask"], mode))
-        tokens = dist.all_reduce(mb_all["response_mask"].sum().float()).clamp(min=1)
+        mask_all = mb_all["response_mask"]
+        norm, tokens = dist.all_reduce(torch.stack([loss_norm(mask_all, mode), mask_all.sum().float()]))  # one collective
+        tokens = tokens.clamp(min=1)
         groups = split(mb_all, spec, agreed_count)
         finite, sums, means = True, defaultdict(float), defaultdict(float)
         for j, rows in enumerate(groups):

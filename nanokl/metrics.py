@@ -37,11 +37,9 @@ def global_var(values, mask=None):
 
 
 def explained_variance(values, returns, mask):
-    """1 - Var[R - V] / Var[R] over all ranks' response tokens (critic/vf_explained_var)."""
-    def var(x):
-        s1, s2, n = dist.all_reduce_moments(masked_moments(x, mask))
-        return (s2 / n - (s1 / n) ** 2) * n / (n - 1)
-    return (1 - var(returns - values) / var(returns).clamp(min=1e-8)).item()
+    """1 - Var[R - V] / Var[R] over all ranks' response tokens (critic/vf_explained_var); the
+    n/(n-1) of unbiased variances cancels in the ratio."""
+    return 1 - global_var(returns - values, mask) / max(global_var(returns, mask), 1e-8)
 
 
 @contextmanager

@@ -60,9 +60,10 @@ Using it (train_ppo.py, when trainer.kl_monitor.enable):
     metrics.update(monitor.metrics()); metrics["monitor/health"] = monitor.health
     for e in events: print(e.message)                    # or only when monitor.health != "warn"
     if monitor.health == "stop": save the checkpoint, end the run
-    if monitor.health == "rollback": load the newest checkpoint saved at a step <= monitor.last_healthy_step
-        (weights, optimizer, data position; NOT the monitor's own state), kl_ctrl.value *=
-        cfg.rollback_beta_factor, then monitor.rolled_back(); if there is no such checkpoint, stop.
+    save checkpoints, remembering which were saved while monitor.rollback_safe
+    if monitor.health == "rollback": reload the newest such checkpoint (weights, optimizer; NOT the
+        monitor's own state), raise beta by cfg.rollback_beta_factor, then monitor.rolled_back();
+        if there is no such checkpoint, stop.
 
 `health` is the one word for the console line: "ok" (nothing fired), else the gravest action
 fired this step, "warn" < "rollback" < "stop". `metrics()` gives floats: monitor/healthy (1 when
@@ -105,7 +106,6 @@ class KLMonitor:
         self.kl_over_stop_streak = 0  # consecutive measured steps with KL > kl_stop
         self.kl_band_violations = 0  # steps so far with KL outside [kl_low, kl_high]
         self.rollbacks = 0  # rollbacks done (rolled_back calls)
-        self.last_healthy_step = None  # last step at which every check that ran passed
         self.health = "ok"  # this step's word for the console
         self.fired = {}  # this step: check -> 1.0 fired / 0.0 passed, for the checks that ran
 
@@ -148,9 +148,14 @@ class KLMonitor:
                 action, note = "stop", f"; {self.rollbacks} rollbacks done (max_rollbacks), stopping instead"
             events.append(Event(name, action, f"kl_monitor step {step}: {action}: {name}: {failed[name]}{note}"))
         self.health = max((e.action for e in events), key=GRAVITY.get, default="ok")
-        if not events:
-            self.last_healthy_step = step
         return events
+
+    @property
+    def rollback_safe(self) -> bool:
+        """May a rollback return to a checkpoint of this step? Only if no check whose action is
+        rollback or stop fired, and no KL > kl_stop streak is under way (a streak short of the
+        patience has fired nothing yet, but those weights are already drifting away)."""
+        return self.health in ("ok", "warn") and self.kl_over_stop_streak == 0
 
     def metrics(self) -> dict[str, float]:
         """monitor/* floats of the latest check (see the module docstring)."""
@@ -167,12 +172,11 @@ class KLMonitor:
 
     def state_dict(self) -> dict:
         return {"kl_over_stop_streak": self.kl_over_stop_streak, "kl_band_violations": self.kl_band_violations,
-                "rollbacks": self.rollbacks, "last_healthy_step": self.last_healthy_step, "health": self.health,
+                "rollbacks": self.rollbacks, "health": self.health,
                 "fired": dict(self.fired)}
 
     def load_state_dict(self, state: dict):
         self.kl_over_stop_streak = int(state["kl_over_stop_streak"])
         self.kl_band_violations = int(state["kl_band_violations"])
         self.rollbacks = int(state["rollbacks"])
-        self.last_healthy_step = state["last_healthy_step"]
         self.health, self.fired = state["health"], {k: float(v) for k, v in state["fired"].items()}

@@ -96,7 +96,7 @@ def test_a_healthy_stream_fires_nothing():
                              "monitor/entropy_fired": 0.0, "monitor/reward_var_fired": 0.0,
                              "monitor/kl_stop_fired": 0.0, "monitor/kl_band_violations": 0.0,
                              "monitor/kl_over_stop_streak": 0.0, "monitor/rollbacks": 0.0}
-    assert mon.last_healthy_step == 20
+    assert mon.rollback_safe
 
 
 def test_each_check_carries_its_own_action_and_health_is_the_gravest():
@@ -131,9 +131,10 @@ def test_events_come_in_check_order_with_a_message_naming_metric_and_threshold()
 
 def test_rollback_resets_the_streak_and_escalates_to_stop_after_max_rollbacks():
     mon = KLMonitor(cfg(kl_stop_action="rollback", kl_stop_patience=2, max_rollbacks=1, kl_low=0.0, kl_high=1.0))
-    assert run(mon, [{KL: 0.05}, {KL: 0.3}, {KL: 0.3}]) == [([], "ok"), ([], "ok"), ([("kl_stop", "rollback")], "rollback")]
-    assert mon.last_healthy_step == 2  # step 2 had KL > kl_stop, but no check fired yet
-    mon.rolled_back()  # the trainer reloaded a checkpoint <= step 2 and raised beta
+    assert run(mon, [{KL: 0.05}]) == [([], "ok")] and mon.rollback_safe
+    assert run(mon, [{KL: 0.3}], 2) == [([], "ok")] and not mon.rollback_safe  # nothing fired, but a streak is on
+    assert run(mon, [{KL: 0.3}], 3) == [([("kl_stop", "rollback")], "rollback")] and not mon.rollback_safe
+    mon.rolled_back()  # the trainer reloaded the step-1 checkpoint and raised beta
     assert mon.metrics()["monitor/rollbacks"] == 1.0 and mon.kl_over_stop_streak == 0
     # the streak starts again: the next fire is two steps later, and a second rollback is over the limit
     got = run(mon, [{KL: 0.3}, {KL: 0.3}], first_step=3)
@@ -146,12 +147,15 @@ def test_max_rollbacks_zero_means_never_roll_back():
     assert run(mon, [{ENT: 0.1}]) == [([("entropy", "stop")], "stop")]
 
 
-def test_band_violations_count_and_last_healthy_step():
+def test_band_violations_count_and_rollback_safety():
     mon = KLMonitor(cfg())
-    run(mon, [{KL: 0.0}, {KL: 0.05}, {KL: 0.01}, {KL: 0.09}, {KL: 0.05}, {KL: 0.5}])
+    run(mon, [{KL: 0.0}, {KL: 0.05}, {KL: 0.01}, {KL: 0.09}])
+    assert mon.metrics()["monitor/kl_band_violations"] == 3.0
+    assert mon.health == "warn" and mon.rollback_safe  # a warning alone does not make weights unsafe
+    run(mon, [{KL: 0.05}, {KL: 0.5}], 5)
     assert mon.metrics()["monitor/kl_band_violations"] == 4.0
-    assert mon.last_healthy_step == 5
-    assert KLMonitor(cfg()).last_healthy_step is None  # nothing checked yet: no healthy step known
+    assert not mon.rollback_safe  # KL above kl_stop: the streak has begun
+    assert KLMonitor(cfg()).rollback_safe  # nothing checked yet: the starting point is safe
 
 
 def test_kl_comes_from_the_reward_penalty_else_the_kl_loss():
@@ -212,4 +216,4 @@ def test_state_round_trip_resumes_exactly():
     rest = [(run(resumed, [m], step)[0], resumed.metrics()) for step, m in enumerate(stream[5:], 6)]
     assert rest == whole[5:]
     assert resumed.state_dict() == straight.state_dict()
-    assert straight.state_dict()["last_healthy_step"] == 4
+    assert not straight.rollback_safe and not resumed.rollback_safe
