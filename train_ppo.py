@@ -6,14 +6,18 @@
 
 One step, as in verl's RayPPOTrainer.fit (design.md, "Data flow of one PPO step"):
   1. rollout     sample `rollout.n` responses per prompt from the current policy   (nanokl/rollout.py)
-  2. score       the task's rule scores each response; the scalar sits on its last token (reward.py)
+  2. score       the task's rule, or a learned reward model, scores each response; the scalar
+                 sits on its last token                                       (scoring.py)
   3. forwards    old log-probs + entropy (actor), reference log-probs, values (critic)   (actor.py)
   4. KL          in the reward: r_t = score_t - beta * KL_t, and beta adapts toward target_kl
                  (kl.py, kl_ctrl.py); and/or in the loss: + kl_loss_coef * KL (actor.use_kl_loss)
   5. advantages  GAE with the critic, or GRPO's group baseline                      (gae.py)
   6. update      ppo_epochs x mini-batches x micro-batches: clipped policy and value losses (ppo.py)
-  7. log         metrics.jsonl + console; validation every test_freq; checkpoint every save_freq
-With the default config a missing reference checkpoint is first trained by nanokl/sft.py.
+  7. log         metrics.jsonl + console; validation every test_freq; checkpoint every save_freq;
+                 the KL health monitor warns, stops or rolls back                 (monitor.py)
+Under torchrun each process takes a slice of the prompts (nanokl/dist.py). With the default config
+a missing reference checkpoint is first trained by nanokl/sft.py (and a missing reward model, when
+one is enabled, by nanokl/reward_model.py).
 """
 
 import math
@@ -223,16 +227,15 @@ def main(argv=None):
 
     n, R = ro.n, ro.response_length
     packed, packed_c = arr.model.use_remove_padding, c.model.use_remove_padding
-    old_spec = Batching(ro.log_prob_micro_batch_size_per_gpu,
-                        ro.log_prob_max_token_len_per_gpu if ro.log_prob_use_dynamic_bsz else None, packed)
-    ref_spec = Batching(arr.ref.log_prob_micro_batch_size_per_gpu,
-                        arr.ref.log_prob_max_token_len_per_gpu if arr.ref.log_prob_use_dynamic_bsz else None, packed)
-    actor_spec = Batching(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-                          packed)
-    critic_spec = Batching(c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
-                           packed_c)
-    values_spec = Batching(c.ppo_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else None,
-                           packed_c)
+    def spec(micro_size, max_tokens, dynamic, packed):  # verl's knobs -> how a batch is cut (batching.py)
+        return Batching(micro_size, max_tokens if dynamic else None, packed)
+    old_spec = spec(ro.log_prob_micro_batch_size_per_gpu, ro.log_prob_max_token_len_per_gpu, ro.log_prob_use_dynamic_bsz,
+                    packed)
+    ref_spec = spec(arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_max_token_len_per_gpu,
+                    arr.ref.log_prob_use_dynamic_bsz, packed)
+    actor_spec = spec(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz, packed)
+    critic_spec = spec(c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c)
+    values_spec = spec(c.ppo_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c)
     mini_actor, mini_critic = a.ppo_mini_batch_size * n // W, c.ppo_mini_batch_size * n // W  # this rank's share
     per_rank = d.train_batch_size // W
     steps = range(start, total_steps)
@@ -255,7 +258,7 @@ def main(argv=None):
                  "responses": out.responses, "response_mask": out.response_mask}
         rmask = out.response_mask
 
-        # 2. score each response by rule; the score sits on its last token
+        # 2. score each response (the rule, or the reward model); the score sits on its last token
         with timer(metrics, "reward", device):
             scores, seq_scores, rule_scores = score_batch(tok, out, examples_n, cfg, rm)
 
