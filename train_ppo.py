@@ -152,7 +152,13 @@ def main(argv=None):
     actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps)
     critic_opt, critic_sched = make_optimizer(critic, c.optim, total_steps) if use_critic else (None, None)
     kl_ctrl = make_kl_controller(alg.kl_ctrl)
-    rm = load_reward_model(rm_path, device=device).eval() if cfg.reward_model.enable else None
+    rm = None
+    if cfg.reward_model.enable:
+        rm = load_reward_model(rm_path, device=device).eval()
+        rm_tok, policy_tok = Path(rm_path) / "tokenizer.json", Path(arr.model.tokenizer_path) / "tokenizer.json"
+        if rm_tok.is_file() and rm_tok.read_bytes() != policy_tok.read_bytes():  # it reads the policy's token ids
+            raise UserError(f"the reward model at {rm_path} was trained with another tokenizer than the policy's "
+                            f"({policy_tok}); retrain it: python -m nanokl.reward_model --config ...")
     km = t.kl_monitor
     monitor = KLMonitor(km) if km.enable else None
     rollback_on = monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in CHECKS}

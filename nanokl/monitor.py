@@ -7,7 +7,9 @@ as far as the reference (and, with a learned reward, the region the reward model
 stays believable (Ziegler et al. 2019; Ouyang et al. 2022; Gao et al. 2023 on reward
 over-optimisation). The adaptive controller (nanokl/kl_ctrl.py) steers the *mean* KL; the failures
 a mean hides, and the ones a controller cannot fix, show in other numbers of the step. The
-monitoring checklist that practitioners' notes on tuning verl's KL thresholds give (KL mean
+monitoring checklist of the project's background article on tuning verl's KL thresholds
+(../shared/background/verl-kl-threshold-tuning.zh.txt; its numbers are practitioners' rules of
+thumb, not measurements) (KL mean
 0.02-0.08, KL variance < 0.05, policy entropy > 0.2, reward variance < 2.0; early stop when KL >
 0.2 five times in a row; roll back to the last checkpoint) becomes five checks on every step:
 
@@ -62,8 +64,11 @@ Using it (train_ppo.py, when trainer.kl_monitor.enable):
     if monitor.health == "stop": save the checkpoint, end the run
     save checkpoints, remembering which were saved while monitor.rollback_safe
     if monitor.health == "rollback": reload the newest such checkpoint (weights, optimizer; NOT the
-        monitor's own state), raise beta by cfg.rollback_beta_factor, then monitor.rolled_back();
-        if there is no such checkpoint, stop.
+        monitor's own state), set beta (and kl_loss_coef when the KL is in the loss) to
+        max(beta now, beta then, rollback_min_beta) * rollback_beta_factor, then
+        monitor.rolled_back(); if there is no such checkpoint, stop.
+KL below the band never triggers a rollback (raising beta would lower it further): with
+kl_band_action = rollback that side only warns.
 
 `health` is the one word for the console line: "ok" (nothing fired), else the gravest action
 fired this step, "warn" < "rollback" < "stop". `metrics()` gives floats: monitor/healthy (1 when
@@ -144,7 +149,10 @@ class KLMonitor:
                 continue
             self.fired[name] = 1.0
             action, note = getattr(c, f"{name}_action"), ""
-            if action == "rollback" and self.rollbacks >= c.max_rollbacks:
+            if name == "kl_band" and action == "rollback" and kl < c.kl_low:
+                # a rollback raises beta, which would push a KL that is already too low further down
+                action, note = "warn", "; below the band a rollback would push the wrong way"
+            elif action == "rollback" and self.rollbacks >= c.max_rollbacks:
                 action, note = "stop", f"; {self.rollbacks} rollbacks done (max_rollbacks), stopping instead"
             events.append(Event(name, action, f"kl_monitor step {step}: {action}: {name}: {failed[name]}{note}"))
         self.health = max((e.action for e in events), key=GRAVITY.get, default="ok")

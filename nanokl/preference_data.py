@@ -79,6 +79,9 @@ def _row(obj, where: str) -> dict:
     if sorted(ranking) != list(range(len(responses))):
         raise UserError(f"{where}: 'ranking' {ranking} must list each of the {len(responses)} response "
                         f"indices 0..{len(responses) - 1} exactly once")
+    ended = obj.get("ended", [True] * len(responses))
+    if not isinstance(ended, list) or len(ended) != len(responses) or not all(type(e) is bool for e in ended):
+        raise UserError(f"{where}: optional field 'ended' must be a list of {len(responses)} booleans")
     return obj
 
 
@@ -125,7 +128,7 @@ def pair_kinds(row) -> list[str]:
     keys = [preference_key(t, row) for t in row["responses"]]
     rk = row["ranking"]
     names = ("rule", "format", "length")
-    return [names[next(k for k in range(3) if keys[rk[i]][k] != keys[rk[j]][k])]
+    return [next((names[k] for k in range(3) if keys[rk[i]][k] != keys[rk[j]][k]), "tie")
             for i in range(len(rk)) for j in range(i + 1, len(rk))]
 
 
@@ -143,17 +146,22 @@ def rank_responses(texts: list[str], example: dict) -> tuple[list[str], list[int
 @torch.no_grad()
 def sample_responses(policy, tok, examples, n, max_new_tokens, temperature=1.0, template="plain",
                      batch_size=256, seed=0):
-    """n sampled response texts per example (rows i*n .. i*n+n-1 belong to example i)."""
+    """n sampled response texts per example (rows i*n .. i*n+n-1 belong to example i), and for
+    each whether it ended with EOS (False: cut off at max_new_tokens). The RM must see a cut-off
+    response as PPO will, without an EOS (reward_model.encode_rankings)."""
     device = next(policy.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    texts = []
+    texts, ended = [], []
+    eos = torch.tensor(tok.eos_token_ids, device=device)
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         ids, mask = build_prompts(chunk, tok, template, device=device)
         out = generate(policy, ids, mask, max_new_tokens, temperature=temperature, eos_token_id=tok.eos_token_ids,
                        pad_token_id=tok.pad_token_id, generator=gen, n=n)
+        last = (out.response_mask.sum(-1) - 1).clamp(min=0)
+        ended += (torch.isin(out.responses.gather(1, last[:, None])[:, 0], eos) & (out.response_mask.sum(-1) > 0)).tolist()
         texts += tok.batch_decode(out.responses, out.response_mask)
-    return texts
+    return texts, ended
 
 
 def build_preference_data(policy_dir, out_path, num_prompts, n=4, seed=0, val_out_path=None, num_val_prompts=0,
@@ -169,14 +177,18 @@ def build_preference_data(policy_dir, out_path, num_prompts, n=4, seed=0, val_ou
     for name, examples, path in (("train", train, out_path), ("val", val, val_out_path)):
         if path is None or not examples:  # no held-out split asked for (num_val_prompts = 0)
             continue
-        texts = sample_responses(policy, tok, examples, n, max_new_tokens, temperature, template, batch_size,
-                                 seed=seed + (name == "val"))
+        texts, ended = sample_responses(policy, tok, examples, n, max_new_tokens, temperature, template, batch_size,
+                                        seed=seed + (name == "val"))
         rows = []
         for i, ex in enumerate(examples):
             responses, ranking = rank_responses(texts[i * n:(i + 1) * n], ex)
+            first_ended = {}  # rank_responses keeps the first of equal texts: take its EOS flag
+            for t, e in zip(texts[i * n:(i + 1) * n], ended[i * n:(i + 1) * n]):
+                first_ended.setdefault(t, e)
             if len(responses) >= 2:
                 rows.append({"prompt": ex["prompt"], "responses": responses, "ranking": ranking,
-                             "ground_truth": ex["ground_truth"], "data_source": ex["data_source"]})
+                             "ended": [first_ended[t] for t in responses], "ground_truth": ex["ground_truth"],
+                             "data_source": ex["data_source"]})
         if not rows:
             raise UserError(f"no {name} prompt got two distinguishable responses from {policy_dir} "
                             f"(n={n}); sample more per prompt or raise the temperature")

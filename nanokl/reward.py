@@ -86,6 +86,9 @@ def arith_score(solution_str: str, ground_truth) -> float:
     return 1.0 if int(found[-1]) == int(ground_truth) else 0.0
 
 
+RULE_SOURCES = ("arith", "openai/gsm8k")  # the data_source values score_response can judge
+
+
 def score_response(text: str, example: dict, method: str = "strict") -> float:
     """The rule-based score of one response, by the example's data_source."""
     source = example.get("data_source")
@@ -93,7 +96,7 @@ def score_response(text: str, example: dict, method: str = "strict") -> float:
         return arith_score(text, example["ground_truth"])
     if source == "openai/gsm8k":
         return gsm8k_score(text, example["ground_truth"], method)
-    raise UserError(f"no rule-based scorer for data_source {source!r} (known: arith, openai/gsm8k)")
+    raise UserError(f"no rule-based scorer for data_source {source!r} (known: {', '.join(RULE_SOURCES)})")
 
 
 def token_level_scores(scores, response_mask: torch.Tensor, missing_eos=None,

@@ -67,13 +67,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from nanokl import hf_format
 from nanokl.config import ConfigError, parse_cli, run_cli
 from nanokl.config_io import UserError
 from nanokl.data import arith_difficulty, build_prompts, load_examples, make_arith_task
-from nanokl.hf_format import build_model, from_pretrained, save_pretrained
+from nanokl.hf_format import CheckpointError, build_model, from_pretrained, load_tensors, read_config, save_pretrained
 from nanokl.model import Decoder, ModelConfig
 from nanokl.preference_data import build_preference_data, pair_kinds, read_preferences
+from nanokl.reward import RULE_SOURCES
 from nanokl.rollout import generate
 from nanokl.tokenizer import apply_template, load_tokenizer
 
@@ -143,13 +143,16 @@ LOSSES = {"bt": bt_loss, "pl": pl_loss}
 
 
 def encode_rankings(rows, tok, template="plain") -> list[tuple[list[list[int]], list[int]]]:
-    """Each row -> ([prompt + response + EOS token ids for each response], ranking). The prompt
-    and the response are tokenized apart, as the rollout produces them, and end with the EOS at
-    which the reward is read during PPO."""
+    """Each row -> ([prompt + response (+ EOS) token ids for each response], ranking). The prompt
+    and the response are tokenized apart, as the rollout produces them, and a finished response
+    ends with the EOS at which PPO reads its reward; one cut off before its EOS (the row's optional
+    `ended` flag is False) is read at its last token, as PPO reads a cut-off rollout."""
     items = []
     for row in rows:
         prompt = tok.encode_one(apply_template(row["prompt"], template))
-        items.append(([prompt + tok.encode_one(r) + [tok.eos_token_id] for r in row["responses"]], row["ranking"]))
+        ended = row.get("ended", [True] * len(row["responses"]))
+        items.append(([prompt + tok.encode_one(r) + [tok.eos_token_id] * e for r, e in zip(row["responses"], ended)],
+                      row["ranking"]))
     return items
 
 
@@ -231,6 +234,16 @@ def raw_rewards(rm, sequences, attention_mask, micro_batch_size=None) -> torch.T
                       for i in range(0, len(sequences), step)])
 
 
+def keep_last_tokens(attention_mask, max_length=None):
+    """The mask with only each row's last `max_length` real tokens kept (reward_model.max_length):
+    the reward model reads the end of the response, so a long prompt loses its beginning. Masked
+    tokens count as padding, and position ids restart from the first kept token."""
+    if max_length is None:
+        return attention_mask
+    from_end = attention_mask.flip(-1).cumsum(-1).flip(-1)  # real tokens at or after each position
+    return attention_mask * (from_end <= max_length)
+
+
 def score_with_rm(rm, sequences, attention_mask, micro_batch_size=None) -> torch.Tensor:
     """[N] normalised rewards (r - mean) / std of the rollout's [prompt | response] sequences; PPO
     puts each on its response's last token (reward.token_level_scores)."""
@@ -248,13 +261,13 @@ def fit_normalization(rm, sequences, attention_mask, micro_batch_size=None) -> t
 def load_reward_model(path, device=None, dtype=None) -> RewardModel:
     """A reward model directory (with its normalisation when reward_normalization.json is there),
     or a causal LM whose LM head is swapped for a fresh `score` row ~ normal(0, initializer_range)."""
-    kw, head = hf_format.read_config(path)
+    kw, head = read_config(path)
     if head == "value":
-        raise hf_format.CheckpointError(f"{path}: a value model (ForTokenClassification), not a reward model "
+        raise CheckpointError(f"{path}: a value model (ForTokenClassification), not a reward model "
                                         "or causal LM")
     cfg = ModelConfig(**kw)
     device = torch.device(device or "cpu")
-    tensors = hf_format.load_tensors(path, device)
+    tensors = load_tensors(path, device)
     if head == "lm":
         tensors.pop("lm_head.weight", None)
         tensors["score.weight"] = torch.randn(1, cfg.hidden_size, device=device) * cfg.initializer_range
@@ -315,26 +328,28 @@ def train_from_config(cfg, progress=True) -> dict:
     rm = load_reward_model(policy_dir, device)
     history = train_reward_model(rm, train_items, t.steps, t.batch_size, t.lr, t.loss, t.seed, tok.pad_token_id,
                                  progress)
-    # Held-out pairwise accuracy, and (built data) on the pairs each part of the preference decides.
-    outcomes = pair_outcomes(rm, val_items, tok.pad_token_id)
-    metrics = {"val_pairwise_acc": sum(outcomes) / len(outcomes) if outcomes else None,
-               "train_pairwise_acc": pairwise_accuracy(rm, train_items[:len(val_items) or 256], tok.pad_token_id)}
-    by_kind = {}
-    if val_items and all("ground_truth" in r and "data_source" in r for r in val_rows):
-        for kind, ok in zip((k for r in val_rows for k in pair_kinds(r)), outcomes):
-            by_kind.setdefault(kind, []).append(ok)
-    metrics.update({f"val_pairwise_acc/{k}": sum(v) / len(v) for k, v in by_kind.items()})
-    metrics.update({f"val_pairs/{k}": len(v) for k, v in by_kind.items()})
-
-    # Normalise on the reference policy's samples of PPO's own training prompts.
+    # Normalise on the reference policy's samples of PPO's own training prompts, scored as PPO
+    # will score them (each row's last reward_model.max_length tokens); then save, before anything
+    # else can fail.
     examples = (load_examples(d.train_files, d.prompt_key, d.reward_fn_key)[:t.norm_samples] if d.train_files
                 else make_arith_task(t.norm_samples, 0, seed=d.seed, difficulty=arith_difficulty(d))[0])
     policy = from_pretrained(policy_dir, device=device).eval()
     seqs, mask = reference_samples(policy, tok, examples, d.max_response_length, temperature, d.prompt_template,
                                    t.seed)
-    mean, std = fit_normalization(rm, seqs, mask, rc.micro_batch_size_per_gpu)
+    mean, std = fit_normalization(rm, seqs, keep_last_tokens(mask, rc.max_length), rc.micro_batch_size_per_gpu)
     save_reward_model(rm, rc.model.path, tok, {"num_samples": len(examples), "temperature": temperature,
                                                 "policy": str(policy_dir)})
+
+    # Held-out pairwise accuracy, and (rows the rule can judge) on the pairs each part of the preference decides.
+    outcomes = pair_outcomes(rm, val_items, tok.pad_token_id)
+    metrics = {"val_pairwise_acc": sum(outcomes) / len(outcomes) if outcomes else None,
+               "train_pairwise_acc": pairwise_accuracy(rm, train_items[:len(val_items) or 256], tok.pad_token_id)}
+    by_kind = {}
+    if val_items and all(r.get("data_source") in RULE_SOURCES and "ground_truth" in r for r in val_rows):
+        for kind, ok in zip((k for r in val_rows for k in pair_kinds(r)), outcomes):
+            by_kind.setdefault(kind, []).append(ok)
+    metrics.update({f"val_pairwise_acc/{k}": sum(v) / len(v) for k, v in by_kind.items()})
+    metrics.update({f"val_pairs/{k}": len(v) for k, v in by_kind.items()})
     metrics.update(final_loss=history[-1], loss=t.loss, steps=t.steps, train_rankings=len(train_items),
                    val_rankings=len(val_items), data_s=round(t_data, 1), total_s=round(time.perf_counter() - t0, 1))
     (Path(rc.model.path) / "rm_metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -20,18 +20,8 @@ import torch
 from nanokl import dist
 from nanokl.data import build_prompts
 from nanokl.reward import score_response, token_level_scores
-from nanokl.reward_model import score_with_rm
+from nanokl.reward_model import keep_last_tokens, score_with_rm
 from nanokl.rollout import generate
-
-
-def keep_last_tokens(attention_mask, max_length=None):
-    """The mask with only each row's last `max_length` real tokens kept (reward_model.max_length):
-    the reward model reads the end of the response, so a long prompt loses its beginning. Masked
-    tokens count as padding, and position ids restart from the first kept token."""
-    if max_length is None:
-        return attention_mask
-    from_end = attention_mask.flip(-1).cumsum(-1).flip(-1)  # real tokens at or after each position
-    return attention_mask * (from_end <= max_length)
 
 
 def score_batch(tok, out, examples, cfg, rm=None):

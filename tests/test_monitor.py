@@ -217,3 +217,9 @@ def test_state_round_trip_resumes_exactly():
     assert rest == whole[5:]
     assert resumed.state_dict() == straight.state_dict()
     assert not straight.rollback_safe and not resumed.rollback_safe
+
+
+def test_kl_below_the_band_warns_instead_of_rolling_back():
+    mon = KLMonitor(cfg(kl_band_action="rollback"))
+    assert run(mon, [{KL: 0.0}, {KL: 0.05}, {KL: 0.09}]) == [
+        ([("kl_band", "warn")], "warn"), ([], "ok"), ([("kl_band", "rollback")], "rollback")]

@@ -288,6 +288,19 @@ def test_ranking_rule_by_hand():
     # (7,1) length; 7 and 1 beat the other four by the rule; 2 beats 6, 4, 0 by format; the rest by length
     assert pair_kinds({**ex, "responses": kept, "ranking": ranking}) == \
         ["length"] + ["rule"] * 8 + ["format"] * 3 + ["length"] * 3
+    # two responses with one key (a user's file may hold them): the pair is a tie, not a crash
+    assert pair_kinds({**ex, "responses": [texts[1], texts[1]], "ranking": [0, 1]}) == ["tie"]
+
+
+def test_encoded_rankings_end_with_eos_only_where_the_response_ended():
+    tok = train_tokenizer(["Q: 1+1=?\nA: #### 2", "seventeen"], vocab_size=270)
+    row = {"prompt": "Q: 1+1=?\nA:", "responses": [" #### 2", " seventeen"], "ranking": [0, 1], "ended": [True, False]}
+    [(seqs, ranking)] = encode_rankings([row], tok)
+    prompt = tok.encode_one("Q: 1+1=?\nA:")
+    assert seqs == [prompt + tok.encode_one(" #### 2") + [tok.eos_token_id], prompt + tok.encode_one(" seventeen")]
+    assert ranking == [0, 1]
+    no_flag = {k: v for k, v in row.items() if k != "ended"}  # rows without the flag: every response ended
+    assert encode_rankings([no_flag], tok)[0][0][1][-1] == tok.eos_token_id
 
 
 def test_chosen_rejected_rows_become_rankings_of_two(tmp_path):
@@ -315,6 +328,8 @@ GOOD = json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"})
     (json.dumps({"prompt": "q", "responses": ["a", "b"], "ranking": [0]}), "exactly once"),
     (json.dumps({"prompt": "q", "responses": ["a", "b"], "ranking": [0, True]}), "list of response indices"),
     (json.dumps({"prompt": "q", "responses": ["a", "b"]}), "list of response indices"),
+    (json.dumps({"prompt": "q", "responses": ["a", "b"], "ranking": [0, 1], "ended": [True]}), "'ended'"),
+    (json.dumps({"prompt": "q", "responses": ["a", "b"], "ranking": [0, 1], "ended": [1, 0]}), "'ended'"),
 ])
 def test_bad_rows_name_file_and_line(tmp_path, line, message):
     path = tmp_path / "prefs.jsonl"
