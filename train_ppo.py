@@ -88,9 +88,8 @@ def main(argv=None):
     cfg = parse_cli(argv)
     d, arr, alg, t, c = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer, cfg.critic
     a, ro = arr.actor, arr.rollout
-    rank, W, device = dist.init()  # torchrun sets RANK / WORLD_SIZE; plain python is rank 0 of 1
-    if t.device == "cpu":
-        device = torch.device("cpu")
+    rank, W, _ = dist.init()  # torchrun sets RANK / WORLD_SIZE; plain python is rank 0 of 1
+    device = dist.local_device(t.device)
     for key, v in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
                    ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size)):
         if v % W:

@@ -56,8 +56,15 @@ def init():
         if cuda:
             torch.cuda.set_device(local)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
-    device = torch.device(f"cuda:{local}" if cuda else "cpu")
-    return rank(), world, device
+    return rank(), world, local_device()
+
+
+def local_device(setting="auto"):
+    """This process's device for trainer.device = cpu | cuda | auto (CUDA when there is one);
+    on CUDA the GPU torchrun gave it (LOCAL_RANK)."""
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
 
 
 def active():

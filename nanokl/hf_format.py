@@ -213,19 +213,25 @@ def from_pretrained(path, device=None, dtype=None) -> CausalLM:
     return build_model(CausalLM, cfg, tensors, path, ("score.weight", "score.bias"), device, dtype or torch.float32)
 
 
-def load_value_model(path, device=None, dtype=None) -> ValueModel:
-    """The critic: from a value-model directory, or a causal LM whose head is swapped for `score`
-    (a fresh normal(0, initializer_range) row, as verl's critic gets from `transformers`)."""
+def load_scalar_head(cls, path, device=None, dtype=None, bias=True):
+    """A model with a scalar `score` head (critic, reward model): from its own directory, or from a
+    causal LM whose LM head is swapped for a fresh normal(0, initializer_range) row (and a zero
+    bias if `cls` has one), as verl's critic gets it from `transformers`."""
     kw, head = read_config(path)
     cfg = ModelConfig(**kw)
     device = torch.device(device or "cpu")
-    dtype = dtype or torch.float32
     tensors = load_tensors(path, device)
     if head == "lm":
         tensors.pop("lm_head.weight", None)
         tensors["score.weight"] = torch.randn(1, cfg.hidden_size, device=device) * cfg.initializer_range
-        tensors["score.bias"] = torch.zeros(1, device=device)
-    return build_model(ValueModel, cfg, tensors, path, (), device, dtype)
+        if bias:
+            tensors["score.bias"] = torch.zeros(1, device=device)
+    return build_model(cls, cfg, tensors, path, (), device, dtype or torch.float32)
+
+
+def load_value_model(path, device=None, dtype=None) -> ValueModel:
+    """The critic: a value-model directory, or a causal LM given a fresh value head."""
+    return load_scalar_head(ValueModel, path, device, dtype)
 
 
 def save_pretrained(model, path, dtype=None, state_dict=None):

@@ -23,6 +23,7 @@ from nanokl.tracking import read_metrics
 
 
 def series(rows, key):
+    """(steps, values) of one metric over the rows that have a number for it."""
     pts = [(r["training/global_step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
 
@@ -59,12 +60,16 @@ def plot_run(run_dir, out=None) -> Path:
     panels = [("actor/reward_kl_penalty_coeff", "beta (KL coef)"), ("critic/score/mean", "train score"),
               ("actor/entropy", "entropy")]
     for ax, (key, label) in zip(axes[1:4], panels):
-        ax.plot(*series(rows, key))
+        ax.plot(*series(rows, key), label=label)
         ax.set_ylabel(label)
+    x, y = series(rows, "critic/rule_score/mean")
+    if y:  # a learned reward: the rule's verdict on the same rollouts, where reward hacking shows
+        axes[2].plot(x, y, label="rule score (same rollouts)")
+        axes[2].legend(loc="lower right", fontsize=8)
     ax = axes[4]
     for key in sorted({k for r in rows for k in r if k.startswith("val-core/") and k.endswith("acc/mean@1")}):
         ax.plot(*series(rows, key), marker="o", label=key.split("/")[1])
-        ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_ylabel("held-out acc (greedy)")
     ax.set_xlabel("PPO step")
     fig.suptitle(cfg.get("trainer", {}).get("experiment_name") or run_dir.name)

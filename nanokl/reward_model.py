@@ -67,10 +67,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from nanokl import dist
 from nanokl.config import ConfigError, parse_cli, run_cli
 from nanokl.config_io import UserError
 from nanokl.data import arith_difficulty, build_prompts, load_examples, make_arith_task
-from nanokl.hf_format import CheckpointError, build_model, from_pretrained, load_tensors, read_config, save_pretrained
+from nanokl.hf_format import CheckpointError, from_pretrained, load_scalar_head, read_config, save_pretrained
 from nanokl.model import Decoder, ModelConfig
 from nanokl.preference_data import build_preference_data, pair_kinds, read_preferences
 from nanokl.reward import RULE_SOURCES
@@ -260,18 +261,11 @@ def fit_normalization(rm, sequences, attention_mask, micro_batch_size=None) -> t
 
 def load_reward_model(path, device=None, dtype=None) -> RewardModel:
     """A reward model directory (with its normalisation when reward_normalization.json is there),
-    or a causal LM whose LM head is swapped for a fresh `score` row ~ normal(0, initializer_range)."""
-    kw, head = read_config(path)
+    or a causal LM whose LM head is swapped for a fresh, bias-free `score` row."""
+    _, head = read_config(path)
     if head == "value":
-        raise CheckpointError(f"{path}: a value model (ForTokenClassification), not a reward model "
-                                        "or causal LM")
-    cfg = ModelConfig(**kw)
-    device = torch.device(device or "cpu")
-    tensors = load_tensors(path, device)
-    if head == "lm":
-        tensors.pop("lm_head.weight", None)
-        tensors["score.weight"] = torch.randn(1, cfg.hidden_size, device=device) * cfg.initializer_range
-    rm = build_model(RewardModel, cfg, tensors, path, (), device, dtype or torch.float32)
+        raise CheckpointError(f"{path}: a value model (ForTokenClassification), not a reward model or causal LM")
+    rm = load_scalar_head(RewardModel, path, device, dtype, bias=False)
     norm = Path(path) / NORM_FILE
     if head == "reward" and norm.is_file():
         stats = json.loads(norm.read_text())
@@ -310,8 +304,7 @@ def train_from_config(cfg, progress=True) -> dict:
     policy_dir = cfg.actor_rollout_ref.model.path
     if not (Path(policy_dir) / "config.json").is_file():
         raise UserError(f"{policy_dir}: no warm start to start the reward model from; run python -m nanokl.sft")
-    device = torch.device("cuda" if cfg.trainer.device == "cuda" or
-                          (cfg.trainer.device == "auto" and torch.cuda.is_available()) else "cpu")
+    device = dist.local_device(cfg.trainer.device)
     temperature = cfg.actor_rollout_ref.rollout.temperature
     t0 = time.perf_counter()
     if not Path(t.data_path).is_file():

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from nanokl import dist
 from nanokl.config import parse_cli, run_cli
 from nanokl.data import arith_difficulty, build_prompts, make_arith_task, mix_answer_formats, task_texts
 from nanokl.hf_format import save_pretrained
@@ -87,7 +88,7 @@ def greedy_accuracy(model, tok, examples, template, max_new_tokens, batch_size=2
 def train_sft(cfg, progress=True) -> Path:
     """Train tokenizer + tiny model on the built-in task's demonstrations; save to sft.output_dir."""
     s, d = cfg.sft, cfg.data
-    device = torch.device("cuda" if cfg.trainer.device == "cuda" else "cpu")
+    device = dist.local_device(cfg.trainer.device)
     torch.manual_seed(cfg.trainer.seed)
     train, val = make_arith_task(s.num_examples, d.num_val, seed=cfg.trainer.seed, difficulty=arith_difficulty(d))
     train = mix_answer_formats(train, s.alt_answer_share, seed=cfg.trainer.seed)

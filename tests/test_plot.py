@@ -1,0 +1,25 @@
+"""nanokl/plot.py: the series it draws, and a picture from a tiny run directory (matplotlib extra)."""
+
+import json
+
+import pytest
+
+from nanokl.plot import series
+
+
+def test_series_takes_the_steps_that_have_a_number():
+    rows = [{"training/global_step": 0, "v": 1.0}, {"training/global_step": 1}, {"training/global_step": 2, "v": 3},
+            {"training/global_step": 3, "v": "warn"}]
+    assert series(rows, "v") == ([0, 2], [1.0, 3])
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from nanokl.plot import plot_run
+    rows = [{"training/global_step": s, "actor/reward_kl_penalty": 0.01 * s, "actor/reward_kl_penalty_coeff": 0.05,
+             "critic/score/mean": 0.1 * s, "critic/rule_score/mean": 0.05 * s, "actor/entropy": 1.0,
+             "val-core/arith/acc/mean@1": 0.1 * s} for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("trainer:\n  kl_monitor: {enable: true, kl_low: 0.02, kl_high: 0.08}\n")
+    out = plot_run(tmp_path)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
