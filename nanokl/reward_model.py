@@ -57,7 +57,6 @@ and std 1 on the samples they were fitted on; bad rows name file:line.
 """
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -76,6 +75,7 @@ from nanokl.model import Decoder, ModelConfig
 from nanokl.preference_data import build_preference_data, pair_kinds, read_preferences
 from nanokl.reward import RULE_SOURCES
 from nanokl.rollout import generate
+from nanokl.sft import adamw_cosine
 from nanokl.tokenizer import apply_template, load_tokenizer
 
 NORM_FILE = "reward_normalization.json"
@@ -180,10 +180,7 @@ def train_reward_model(rm, items, steps, batch_size, lr, loss="bt", seed=0, pad_
         raise ValueError("train_reward_model: no rankings to train on")
     device = next(rm.parameters()).device
     loss_fn = LOSSES[loss]
-    opt = torch.optim.AdamW(rm.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: min(1.0, (k + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(k / steps, 1.0))))
+    opt, sched = adamw_cosine(rm, lr, steps)
     gen = torch.Generator().manual_seed(seed)
     order, history = [], []
     rm.train()

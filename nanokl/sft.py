@@ -85,6 +85,16 @@ def greedy_accuracy(model, tok, examples, template, max_new_tokens, batch_size=2
     return hits / max(len(examples), 1)
 
 
+def adamw_cosine(model, lr, steps):
+    """AdamW (betas 0.9/0.95, weight decay 0.01) with linear warm-up over the first 5% of `steps`,
+    then cosine down to 10% of `lr`: the small supervised runs' schedule (SFT, reward model)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(k / steps, 1.0))))
+    return opt, sched
+
+
 def train_sft(cfg, progress=True) -> Path:
     """Train tokenizer + tiny model on the built-in task's demonstrations; save to sft.output_dir."""
     s, d = cfg.sft, cfg.data
@@ -99,10 +109,7 @@ def train_sft(cfg, progress=True) -> Path:
                        max_position_embeddings=s.max_position_embeddings, rope_theta=10000.0,
                        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = init_weights(CausalLM(mcfg), std=0.02).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = max(1, s.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, then cosine down to 10%
-        opt, lambda k: min(1.0, (k + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(k / s.steps, 1.0))))
+    opt, sched = adamw_cosine(model, s.lr, s.steps)
     ids, attn, loss_mask = encode_demos(train, tok, d.prompt_template)
     gen = torch.Generator().manual_seed(cfg.trainer.seed)
     bar = tqdm(range(s.steps), desc="sft warm start", disable=not progress, file=sys.stderr)
