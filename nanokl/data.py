@@ -222,7 +222,7 @@ def row_to_example(row, where: str, prompt_key: str = "prompt", reward_fn_key: s
     return ex
 
 
-def _read_rows(path: Path):
+def read_rows(path: Path):
     """Yield (where, row) for each row of a .jsonl / .json / .parquet file."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -266,7 +266,7 @@ def load_examples(path_or_paths, prompt_key: str = "prompt", reward_fn_key: str 
         if not p.is_file():
             raise UserError(f"data file not found: {p}")
         before = len(examples)
-        examples += [row_to_example(row, where, prompt_key, reward_fn_key) for where, row in _read_rows(p)]
+        examples += [row_to_example(row, where, prompt_key, reward_fn_key) for where, row in read_rows(p)]
         if len(examples) == before:
             raise DataError(f"{p}: no examples in the file")
     return examples

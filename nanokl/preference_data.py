@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from nanokl.config_io import UserError
-from nanokl.data import ArithDifficulty, build_prompts, make_arith_task
+from nanokl.data import ArithDifficulty, build_prompts, make_arith_task, read_rows
 from nanokl.hf_format import from_pretrained
 from nanokl.reward import extract_gsm8k_answer, score_response
 from nanokl.rollout import generate
@@ -86,21 +86,12 @@ def _row(obj, where: str) -> dict:
 
 
 def read_preferences(path) -> list[dict]:
-    """All rows of a preference JSONL file, each as {"prompt", "responses", "ranking", ...}."""
+    """All rows of a preference file (.jsonl, .json or .parquet; nanokl.data.read_rows), each as
+    {"prompt", "responses", "ranking", ...}."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise UserError(f"cannot read preference file {path}: {e.strerror}") from None
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-        rows.append(_row(obj, f"{path}:{i}"))
+    if not path.is_file():
+        raise UserError(f"cannot read preference file {path}: no such file")
+    rows = [_row(obj, where) for where, obj in read_rows(path)]
     if not rows:
         raise UserError(f"{path}: no preference rows")
     return rows

@@ -315,7 +315,7 @@ GOOD = json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"})
 
 
 @pytest.mark.parametrize("line, message", [
-    ("{not json", "not valid JSON"),
+    ("{not json", "bad JSON"),
     ("[1, 2]", "expected a JSON object"),
     (json.dumps({"chosen": "a", "rejected": "b"}), "'prompt' must be a string"),
     (json.dumps({"prompt": "q", "chosen": "a"}), "'rejected' must be a string"),
