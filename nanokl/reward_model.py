@@ -76,7 +76,7 @@ from nanokl.preference_data import build_preference_data, pair_kinds, read_prefe
 from nanokl.reward import RULE_SOURCES
 from nanokl.rollout import generate
 from nanokl.sft import adamw_cosine
-from nanokl.tokenizer import apply_template, load_tokenizer
+from nanokl.tokenizer import apply_template, load_tokenizer, right_pad
 
 NORM_FILE = "reward_normalization.json"
 
@@ -164,12 +164,7 @@ def collate(items, pad_token_id, device=None):
     for responses, ranking in items:
         rankings.append([len(seqs) + i for i in ranking])
         seqs += responses
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
+    ids, mask = right_pad(seqs, pad_token_id)
     return ids.to(device), mask.to(device), rankings
 
 

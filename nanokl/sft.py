@@ -40,7 +40,7 @@ from nanokl.hf_format import save_pretrained
 from nanokl.model import CausalLM, ModelConfig, init_weights
 from nanokl.reward import score_response
 from nanokl.rollout import generate
-from nanokl.tokenizer import apply_template, train_tokenizer
+from nanokl.tokenizer import apply_template, right_pad, train_tokenizer
 
 
 def encode_demos(examples, tok, template):
@@ -50,14 +50,8 @@ def encode_demos(examples, tok, template):
         p = tok.encode_one(apply_template(ex["prompt"], template))
         r = tok.encode_one(ex["solution"]) + [tok.eos_token_id]
         rows.append((p, r))
-    T = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), T), tok.pad_token_id, dtype=torch.long)
-    attn = torch.zeros(len(rows), T, dtype=torch.long)
-    loss_mask = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, (p, r) in enumerate(rows):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, :len(p) + len(r)] = 1
-        loss_mask[i, len(p):len(p) + len(r)] = 1
+    ids, attn = right_pad([p + r for p, r in rows], tok.pad_token_id)
+    loss_mask, _ = right_pad([[0] * len(p) + [1] * len(r) for p, r in rows], 0)
     return ids, attn, loss_mask
 
 

@@ -111,6 +111,18 @@ class Tokenizer:
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def right_pad(seqs, pad_id):
+    """Token lists -> right-padded (ids, mask) [N, max len]: training batches (SFT, reward model),
+    where every row starts at position 0; generation instead left-pads (Tokenizer.encode)."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
 def load_tokenizer(path) -> Tokenizer:
     """Read tokenizer.json (+ tokenizer_config.json, generation_config.json) from a directory."""
     path = Path(path)

@@ -81,3 +81,9 @@ def test_templates():
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(UserError, match="unknown prompt template 'alpaca'"):
         apply_template("Q?", "alpaca")
+
+
+def test_right_pad_by_hand():
+    from nanokl.tokenizer import right_pad
+    ids, mask = right_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
