@@ -139,7 +139,7 @@ def validate(cfg):
     mon = cfg.trainer.kl_monitor
     if mon.kl_low >= mon.kl_high:
         raise ConfigError(f"{_M}kl_low ({mon.kl_low}) must be below kl_high ({mon.kl_high}): the healthy KL band "
-                          f"would be empty", keys=(_M + "kl_low", _M + "kl_high"))
+                          f"needs a width", keys=(_M + "kl_low", _M + "kl_high"))
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path must be set when trainer.resume_mode is resume_path",
                           keys=("trainer.resume_from_path", "trainer.resume_mode"))
