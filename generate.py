@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanokl.config_io import UserError, run_cli
-from nanokl.hf_format import from_pretrained
+from nanokl.harness.config_io import UserError, run_cli
+from nanokl.harness.hf_format import from_pretrained
 from nanokl.rollout import generate
-from nanokl.tokenizer import apply_template, load_tokenizer
+from nanokl.harness.tokenizer import apply_template, load_tokenizer
 
 
 def read_prompts(path):

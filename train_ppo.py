@@ -16,8 +16,8 @@ One step, as in verl's RayPPOTrainer.fit (design.md, "Data flow of one PPO step"
   7. log         metrics.jsonl + console; validation every test_freq; checkpoint every save_freq;
                  the KL health monitor warns, stops or rolls back                 (monitor.py)
 Under torchrun each process takes a slice of the prompts (nanokl/dist.py). With the default config
-a missing reference checkpoint is first trained by nanokl/sft.py (and a missing reward model, when
-one is enabled, by nanokl/reward_model.py).
+a missing reference checkpoint is first trained by nanokl/supervised/sft.py (and a missing reward model, when
+one is enabled, by nanokl/supervised/reward_model.py).
 """
 
 import math
@@ -28,27 +28,28 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanokl import actor as workers
+from nanokl import workers as workers
 from nanokl import dist
 from nanokl.batching import Batching
-from nanokl.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
-from nanokl.config import config_to_dict, parse_cli, run_cli, save_config
-from nanokl.config_io import UserError
-from nanokl.data import (arith_difficulty, batch_indices, build_prompts, load_examples, make_arith_task,
+from nanokl.harness.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
+from nanokl.harness.config import config_to_dict, parse_cli, run_cli, save_config
+from nanokl.harness.config_io import UserError
+from nanokl.harness.data import (arith_difficulty, batch_indices, build_prompts, load_examples, make_arith_task,
                          steps_per_epoch)
-from nanokl.gae import compute_gae_advantage_return, compute_grpo_outcome_advantage, masked_mean
+from nanokl.advantages import compute_gae_advantage_return, compute_grpo_outcome_advantage
+from nanokl.masked import masked_mean
 from nanokl.kl import kl_penalty
 from nanokl.kl_ctrl import make_kl_controller
-from nanokl.metrics import add_stats, explained_variance, global_var, timer
-from nanokl.hf_format import from_pretrained, load_value_model
-from nanokl.monitor import CHECKS, KLMonitor
-from nanokl.reward_model import load_reward_model
-from nanokl.reward_model import train_from_config as train_reward_model
-from nanokl.scoring import score_batch, validate
+from nanokl.harness.metrics import add_stats, explained_variance, global_var, timer
+from nanokl.harness.hf_format import from_pretrained, load_value_model
+from nanokl.harness.monitor import CHECKS, KLMonitor
+from nanokl.supervised.reward_model import load_reward_model
+from nanokl.supervised.reward_model import train_from_config as train_reward_model
+from nanokl.harness.scoring import score_batch, validate
 from nanokl.rollout import generate
-from nanokl.sft import train_sft
-from nanokl.tokenizer import load_tokenizer
-from nanokl.tracking import Tracker
+from nanokl.supervised.sft import train_sft
+from nanokl.harness.tokenizer import load_tokenizer
+from nanokl.harness.tracking import Tracker
 
 MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before the run stops
 
@@ -109,7 +110,7 @@ def main(argv=None):
     model_path = Path(arr.model.path)
     if not (model_path / "config.json").exists() and d.train_files is None and model_path == Path(cfg.sft.output_dir):
         if rank == 0:
-            print(f"no reference policy at {model_path}: training the warm start first (nanokl.sft)", file=sys.stderr)
+            print(f"no reference policy at {model_path}: training the warm start first (nanokl.supervised.sft)", file=sys.stderr)
             train_sft(cfg)
         dist.barrier()
     if not model_path.is_dir():
@@ -117,7 +118,7 @@ def main(argv=None):
     rm_path = cfg.reward_model.model.path
     if cfg.reward_model.enable and not (Path(rm_path) / "config.json").exists() and cfg.reward_model.train.data_path:
         if rank == 0:  # the config says how to distil one from rankings: do it first, like the warm start
-            print(f"no reward model at {rm_path}: training it from rankings first (nanokl.reward_model)",
+            print(f"no reward model at {rm_path}: training it from rankings first (nanokl.supervised.reward_model)",
                   file=sys.stderr)
             train_reward_model(cfg)
         dist.barrier()
@@ -157,7 +158,7 @@ def main(argv=None):
         rm_tok, policy_tok = Path(rm_path) / "tokenizer.json", Path(arr.model.tokenizer_path) / "tokenizer.json"
         if rm_tok.is_file() and rm_tok.read_bytes() != policy_tok.read_bytes():  # it reads the policy's token ids
             raise UserError(f"the reward model at {rm_path} was trained with another tokenizer than the policy's "
-                            f"({policy_tok}); retrain it: python -m nanokl.reward_model --config ...")
+                            f"({policy_tok}); retrain it: python -m nanokl.supervised.reward_model --config ...")
     km = t.kl_monitor
     monitor = KLMonitor(km) if km.enable else None
     rollback_on = monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in CHECKS}
@@ -349,7 +350,7 @@ def main(argv=None):
             raise TrainingStopped(f"stopped at step {step + 1}: {MAX_NAN_STEPS} steps in a row had a non-finite loss "
                                   f"or gradient (updates skipped); checkpoint saved to {path}")
         actions = set()
-        if monitor:  # KL health (nanokl/monitor.py): warn, stop cleanly, or roll back
+        if monitor:  # KL health (nanokl/harness/monitor.py): warn, stop cleanly, or roll back
             events = monitor.check(step + 1, metrics)
             metrics.update(monitor.metrics(), **{"monitor/health": monitor.health})
             actions = {e.action for e in events}

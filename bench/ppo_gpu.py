@@ -21,10 +21,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_ppo  # noqa: E402
-from nanokl.hf_format import save_pretrained  # noqa: E402
+from nanokl.harness.hf_format import save_pretrained  # noqa: E402
 from nanokl.model import CausalLM, ModelConfig, init_weights  # noqa: E402
-from nanokl.tokenizer import train_tokenizer  # noqa: E402
-from nanokl.tracking import read_metrics  # noqa: E402
+from nanokl.harness.tokenizer import train_tokenizer  # noqa: E402
+from nanokl.harness.tracking import read_metrics  # noqa: E402
 
 SHAPES = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

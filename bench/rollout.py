@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanokl import hf_format as H  # noqa: E402
+from nanokl.harness import hf_format as H  # noqa: E402
 from nanokl import model as M  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
 

@@ -13,7 +13,7 @@ than the budget on its own gets a micro-batch to itself, with a warning. Under d
 every rank must run the same number of micro-batches (DDP and FSDP synchronise on each
 backward), so the count is the maximum over ranks (`min_count`). Which micro-batch a sequence
 lands in does not change the gradient: every micro-batch's loss is aggregated with the whole
-mini-batch's denominator (nanokl/actor.py), so the sum over micro-batches is the mini-batch loss.
+mini-batch's denominator (nanokl/workers.py), so the sum over micro-batches is the mini-batch loss.
 
 Packing (verl's `use_remove_padding`). A padded micro-batch [n, P+R] spends compute on pad
 tokens. Packing concatenates the *real* tokens of its sequences into one row, numbers them

@@ -108,7 +108,7 @@ def all_reduce(t, op="sum"):
 
 
 def all_reduce_moments(stats):
-    """Global (sum, sum of squares, count) from this rank's (nanokl/gae.py's `whiten_stats`)."""
+    """Global (sum, sum of squares, count) from this rank's (nanokl/advantages.py's `whiten_stats`)."""
     return tuple(all_reduce(x) for x in stats)
 
 

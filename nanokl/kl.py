@@ -61,9 +61,9 @@ k2's gradient with respect to both logprob and ref_logprob.
 import torch
 import torch.nn.functional as F
 
-# Every name kl_penalty accepts; the config (which declares the list, so that it can validate
-# algorithm.kl_penalty and actor.kl_loss_type without importing torch) shares it with us.
-from nanokl.config import KL_KINDS
+# Every name kl_penalty accepts (the config validates algorithm.kl_penalty and
+# actor.kl_loss_type against this list).
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "kl+", "abs+", "k3+", "low_var_kl+")
 
 
 def _k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:

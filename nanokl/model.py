@@ -42,7 +42,7 @@ position, named as `transformers`' `Qwen2ForTokenClassification` / `LlamaForToke
 with `num_labels=1` (what verl loads for its critic), initialised from a causal-LM checkpoint.
 
 Loading and saving Hugging Face directories (`from_pretrained`, `load_value_model`,
-`save_pretrained`) is nanokl/hf_format.py's job. Tests (tests/test_model.py) load random
+`save_pretrained`) is nanokl/harness/hf_format.py's job. Tests (tests/test_model.py) load random
 `transformers` models into nanokl and back and compare logits (<= 1e-4 fp32), and check that
 prefill + token-by-token decoding through the cache gives the logits of one full forward
 (<= 1e-5), also for a left-padded batch.

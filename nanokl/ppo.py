@@ -77,8 +77,10 @@ without global_norm/horizon) equal python-loop reductions; entropy and logprobs 
 
 import torch
 
-from nanokl.config import LOSS_AGG_MODES  # declared with the config, which validates it
-from nanokl.gae import masked_mean, masked_var
+from nanokl.masked import masked_mean, masked_var
+
+# How agg_loss may reduce a loss matrix (the config validates loss_agg_mode against this list).
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None):

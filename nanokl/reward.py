@@ -21,7 +21,7 @@ from the generated text and compares it with the ground truth (ReFT, Trung et al
     the reward step. The price: a response whose final answer is followed by more than 300
     characters of text is read from its tail only.
 
-`arith_score(solution, truth)` is the synthetic task's scorer (nanokl/data.py): the last
+`arith_score(solution, truth)` is the synthetic task's scorer (nanokl/harness/data.py): the last
 `#### N` only, and N must be an integer equal to the truth (so "#### 7.5" is not 7).
 
 `score_response(text, example, method)` picks the scorer from the example's `data_source`.
@@ -43,7 +43,7 @@ import re
 
 import torch
 
-from nanokl.config_io import UserError
+from nanokl.harness.config_io import UserError
 
 CLIP_CHARS = 300  # verl's _SOLUTION_CLIP_CHARS: search only the tail, where the answer is
 _STRICT = re.compile(r"#### (-?[0-9.,]+)")

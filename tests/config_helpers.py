@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from nanokl.config import ConfigError
+from nanokl.harness.config import ConfigError
 
 
 def write(tmp_path, name, text):

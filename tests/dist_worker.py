@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 tests/dist_worker.py --strategy ddp --out ddp.pt
 
 Every process builds the same tiny models and the same batch of 8 responses from fixed seeds,
-keeps its slice of the rows, and runs the real machinery (nanokl.actor updates, nanokl.dist
+keeps its slice of the rows, and runs the real machinery (nanokl.workers updates, nanokl.dist
 wrapping and reductions, GAE whitened over all ranks). Rank 0 saves the full parameters after
 the update and the metrics, which the test compares across world sizes.
 """
@@ -18,11 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from types import SimpleNamespace  # noqa: E402
 
-from nanokl import actor as workers  # noqa: E402
+from nanokl import workers as workers  # noqa: E402
 from nanokl import dist  # noqa: E402
 from nanokl import model as M  # noqa: E402
 from nanokl.batching import Batching, token_budget_micro_batches  # noqa: E402
-from nanokl.gae import compute_gae_advantage_return  # noqa: E402
+from nanokl.advantages import compute_gae_advantage_return  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
 
 

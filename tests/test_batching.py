@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from nanokl import actor as W
+from nanokl import workers as W
 from nanokl import model as M
 from nanokl.batching import Batching, balanced_partition, pack, split, token_budget_micro_batches
 from nanokl.rollout import generate

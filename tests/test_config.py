@@ -1,4 +1,4 @@
-"""Tests for nanokl/config.py and config_io.py: defaults, files, overrides, coercions, save and CLI
+"""Tests for nanokl/harness/config.py and config_io.py: defaults, files, overrides, coercions, save and CLI
 (the errors are in tests/test_config_errors.py).
 
 The references are independent of the loader: verl's defaults typed in from verl's
@@ -15,7 +15,9 @@ import pytest
 import yaml
 
 from config_helpers import error_of, write
-from nanokl.config import (DEFAULT_CONFIG, KL_KINDS, LOSS_AGG_MODES, Config, config_to_dict, load_config, parse_cli,
+from nanokl.kl import KL_KINDS
+from nanokl.ppo import LOSS_AGG_MODES
+from nanokl.harness.config import (DEFAULT_CONFIG, Config, config_to_dict, load_config, parse_cli,
                            resolve, run_cli, save_config)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,10 +266,10 @@ def run_python(code):
 
 
 @pytest.mark.parametrize("code, expected", [
-    ("from nanokl.config import run_cli, parse_cli\n"
+    ("from nanokl.harness.config import run_cli, parse_cli\n"
      "run_cli(parse_cli, ['algorithm.kl_ctrl.target_kl=-1'])",
      "error: argument 'algorithm.kl_ctrl.target_kl=-1': algorithm.kl_ctrl.target_kl must be > 0, got -1.0"),
-    ("from nanokl.config import run_cli, UserError\n"
+    ("from nanokl.harness.config import run_cli, UserError\n"
      "def main():\n    raise UserError('model dir runs/x not found:\\n run sft first')\n"
      "run_cli(main)",
      "error: model dir runs/x not found: run sft first"),

@@ -1,4 +1,4 @@
-"""Config errors (nanokl/config_io.py, config_rules.py): every bad input is one line naming the key.
+"""Config errors (nanokl/harness/config_io.py, config_rules.py): every bad input is one line naming the key.
 
 Unknown keys name the closest valid ones; wrong types name the key and the type; a bad choice
 lists the valid ones; an impossible value names the key and the bound it breaks; YAML errors point
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from config_helpers import error_of, write
-from nanokl.config import Config, ConfigError, UserError, load_config, resolve, validate
+from nanokl.harness.config import Config, ConfigError, UserError, load_config, resolve, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"
@@ -113,7 +113,7 @@ def test_impossible_value_names_the_key_and_the_argument(override, key):
 
 
 def test_an_enabled_reward_model_needs_a_path():
-    # arith_tiny names where nanokl.reward_model writes the RM, so enabling it is enough there...
+    # arith_tiny names where nanokl.supervised.reward_model writes the RM, so enabling it is enough there...
     assert load_config(TINY, ["reward_model.enable=true"]).reward_model.model.path == "runs/arith_tiny/rm"
     # ...but with no path at all there is nothing to load
     msg = error_of(load_config, TINY, ["reward_model.enable=true", "reward_model.model.path=null"])

@@ -1,4 +1,4 @@
-"""nanokl.data: the synthetic task against a hand parser, GSM8K loading against the raw files,
+"""nanokl.harness.data: the synthetic task against a hand parser, GSM8K loading against the raw files,
 one-line errors for bad rows, stateless batches, and prompts that round-trip the tokenizer."""
 
 import json
@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from nanokl.config_io import UserError
-from nanokl.data import (GSM8K_INSTRUCTION, ArithDifficulty, _permutation, batch_indices, build_prompts,
+from nanokl.harness.config_io import UserError
+from nanokl.harness.data import (GSM8K_INSTRUCTION, ArithDifficulty, _permutation, batch_indices, build_prompts,
                          filter_overlong, load_examples, make_arith_task, steps_per_epoch, task_texts)
-from nanokl.tokenizer import train_tokenizer
+from nanokl.harness.tokenizer import train_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # The synthetic task

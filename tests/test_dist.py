@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanokl.checkpoint import latest_checkpoint
-from nanokl.tracking import read_metrics
+from nanokl.harness.checkpoint import latest_checkpoint
+from nanokl.harness.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")

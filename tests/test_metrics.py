@@ -1,10 +1,10 @@
-"""Step metrics (nanokl/metrics.py) against numpy, at world size 1 (tests/test_dist.py covers W=2)."""
+"""Step metrics (nanokl/harness/metrics.py) against numpy, at world size 1 (tests/test_dist.py covers W=2)."""
 
 import numpy as np
 import pytest
 import torch
 
-from nanokl.metrics import add_stats, explained_variance, global_var
+from nanokl.harness.metrics import add_stats, explained_variance, global_var
 
 
 def test_stats_and_variance_equal_numpy():

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from nanokl import hf_format as H
+from nanokl.harness import hf_format as H
 from nanokl import model as M
-from nanokl.hf_format import CheckpointError
+from nanokl.harness.hf_format import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""nanokl.monitor: each check fires at exactly the step it should, against hand-written streams.
+"""nanokl.harness.monitor: each check fires at exactly the step it should, against hand-written streams.
 
 Every expected value below is written out by hand from the thresholds, not computed by the code
 under test: the steps at which each check fires, the health word and action of each step, the
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from nanokl.config import KLMonitorConfig, load_config
-from nanokl.monitor import CHECKS, Event, KLMonitor
+from nanokl.harness.config import KLMonitorConfig, load_config
+from nanokl.harness.monitor import CHECKS, Event, KLMonitor
 
 KL, KL_LOSS, KL_VAR, ENT, RVAR = ("actor/reward_kl_penalty", "actor/kl_loss", "actor/reward_kl_var",
                                   "actor/entropy", "critic/score/var")

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import train_ppo
-from nanokl.checkpoint import latest_checkpoint
-from nanokl.tracking import read_metrics
+from nanokl.harness.checkpoint import latest_checkpoint
+from nanokl.harness.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOW_UP = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data.max_response_length=32",

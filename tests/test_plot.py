@@ -1,10 +1,10 @@
-"""nanokl/plot.py: the series it draws, and a picture from a tiny run directory (matplotlib extra)."""
+"""nanokl/harness/plot.py: the series it draws, and a picture from a tiny run directory (matplotlib extra)."""
 
 import json
 
 import pytest
 
-from nanokl.plot import series
+from nanokl.harness.plot import series
 
 
 def test_series_takes_the_steps_that_have_a_number():
@@ -15,7 +15,7 @@ def test_series_takes_the_steps_that_have_a_number():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from nanokl.plot import plot_run
+    from nanokl.harness.plot import plot_run
     rows = [{"training/global_step": s, "actor/reward_kl_penalty": 0.01 * s, "actor/reward_kl_penalty_coeff": 0.05,
              "critic/score/mean": 0.1 * s, "critic/rule_score/mean": 0.05 * s, "actor/entropy": 1.0,
              "val-core/arith/acc/mean@1": 0.1 * s} for s in range(4)]

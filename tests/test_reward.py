@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from nanokl.config_io import UserError
-from nanokl.data import ArithDifficulty, load_examples, make_arith_task
+from nanokl.harness.config_io import UserError
+from nanokl.harness.data import ArithDifficulty, load_examples, make_arith_task
 from nanokl.reward import arith_score, extract_gsm8k_answer, gsm8k_score, score_response, token_level_scores
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""nanokl.reward_model and nanokl.preference_data against independent references.
+"""nanokl.supervised.reward_model and nanokl.supervised.preference_data against independent references.
 
 - ranking_pairs equals hand-written enumerations (lengths 1..4);
 - bt_loss / pl_loss equal float64 python loops of the textbook formulas, and PL's probabilities
@@ -26,17 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanokl import hf_format as H
+from nanokl.harness import hf_format as H
 from nanokl import model as M
 from nanokl.model import init_weights
-from nanokl.config import load_config
-from nanokl.config_io import UserError
-from nanokl.hf_format import CheckpointError
-from nanokl.preference_data import build_preference_data, pair_kinds, rank_responses, read_preferences
-from nanokl.reward_model import (RewardModel, bt_loss, collate, encode_rankings, fit_normalization, load_reward_model,
+from nanokl.harness.config import load_config
+from nanokl.harness.config_io import UserError
+from nanokl.harness.hf_format import CheckpointError
+from nanokl.supervised.preference_data import build_preference_data, pair_kinds, rank_responses, read_preferences
+from nanokl.supervised.reward_model import (RewardModel, bt_loss, collate, encode_rankings, fit_normalization, load_reward_model,
                                  pairwise_accuracy, pl_loss, ranking_pairs, save_reward_model, score_with_rm,
                                  train_from_config, train_reward_model)
-from nanokl.tokenizer import train_tokenizer
+from nanokl.harness.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -351,7 +351,7 @@ def test_empty_or_missing_file(tmp_path):
 
 def test_cli_pipeline_runs_end_to_end(tmp_path):
     """A 5-step warm start, then data, RM training, normalisation and save, all tiny: the wiring."""
-    from nanokl.sft import train_sft
+    from nanokl.supervised.sft import train_sft
     sft_dir, rm_dir, data = tmp_path / "sft", tmp_path / "rm", tmp_path / "data"
     cfg = load_config(ROOT / "configs" / "arith_tiny.yaml",
                       ["sft.steps=5", "sft.num_examples=200", "data.num_val=8", "sft.hidden_size=32",

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from nanokl import hf_format as H
+from nanokl.harness import hf_format as H
 from nanokl import model as M
 from nanokl.rollout import generate, sample_tokens
 
@@ -191,7 +191,7 @@ def test_generate_cli(tmp_path):
     import sys
     from pathlib import Path
 
-    from nanokl.tokenizer import train_tokenizer
+    from nanokl.harness.tokenizer import train_tokenizer
 
     tok = train_tokenizer([f"Q: {a} + {b} = ?\nA: {a + b}" for a in range(30) for b in range(30)], vocab_size=120)
     cfg = M.ModelConfig(model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,

@@ -1,10 +1,10 @@
-"""nanokl/scoring.py: reward_model.max_length keeps each row's last real tokens."""
+"""nanokl/harness/scoring.py: reward_model.max_length keeps each row's last real tokens."""
 
 import torch
 
 from nanokl import model as M
-from nanokl.reward_model import RewardModel
-from nanokl.scoring import keep_last_tokens
+from nanokl.supervised.reward_model import RewardModel
+from nanokl.harness.scoring import keep_last_tokens
 
 
 def test_truncated_rm_score_equals_scoring_the_kept_tokens_alone():

@@ -1,4 +1,4 @@
-"""nanokl.sft: the loss counts response tokens only, and a short run saves a usable checkpoint."""
+"""nanokl.supervised.sft: the loss counts response tokens only, and a short run saves a usable checkpoint."""
 
 import json
 from pathlib import Path
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanokl import hf_format as H
+from nanokl.harness import hf_format as H
 from nanokl import model as M
-from nanokl.config import load_config
-from nanokl.data import make_arith_task, mix_answer_formats
-from nanokl.sft import encode_demos, sft_loss, train_sft
-from nanokl.tokenizer import load_tokenizer, train_tokenizer
+from nanokl.harness.config import load_config
+from nanokl.harness.data import make_arith_task, mix_answer_formats
+from nanokl.supervised.sft import encode_demos, sft_loss, train_sft
+from nanokl.harness.tokenizer import load_tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

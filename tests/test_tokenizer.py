@@ -1,4 +1,4 @@
-"""nanokl.tokenizer: left padding, truncation, round trips, templates, and agreement with
+"""nanokl.harness.tokenizer: left padding, truncation, round trips, templates, and agreement with
 `transformers` loading the same files."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from nanokl.config import UserError
-from nanokl.tokenizer import apply_template, load_tokenizer, train_tokenizer
+from nanokl.harness.config import UserError
+from nanokl.harness.tokenizer import apply_template, load_tokenizer, train_tokenizer
 
 TEXTS = [f"What is {a} + {b}? Let's think. {a} + {b} = {a + b}\n#### {a + b}" for a in range(40) for b in range(0, 400, 37)]
 
@@ -84,6 +84,6 @@ def test_templates():
 
 
 def test_right_pad_by_hand():
-    from nanokl.tokenizer import right_pad
+    from nanokl.harness.tokenizer import right_pad
     ids, mask = right_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]

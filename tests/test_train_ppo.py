@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 import train_ppo
-from nanokl.checkpoint import latest_checkpoint, load_state
-from nanokl.tracking import read_metrics
+from nanokl.harness.checkpoint import latest_checkpoint, load_state
+from nanokl.harness.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_crash_during_checkpoint_write_keeps_previous(sft_dir, tmp_path):
     script = f"""
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
-import nanokl.hf_format as hf
+import nanokl.harness.hf_format as hf
 real = hf.save_tensors
 def dying(sd, path, dtype=None):
     real(sd, path, dtype)
@@ -115,7 +115,7 @@ train_ppo.main(["--config", {str(ROOT / 'configs' / 'arith_tiny.yaml')!r}, *{TIN
     assert (tmp_path / "checkpoints" / "global_step_4.tmp").exists()  # the half-written one
     assert latest_checkpoint(tmp_path) == before  # still the pointer's target
     load_state(before)
-    from nanokl.hf_format import from_pretrained, load_value_model
+    from nanokl.harness.hf_format import from_pretrained, load_value_model
     from_pretrained(before / "actor")
     load_value_model(before / "critic")
 
@@ -147,7 +147,7 @@ def test_user_errors_exit_2_with_one_line(sft_dir, tmp_path):
 
 
 def test_nan_loss_is_skipped_then_stops_the_run(sft_dir, tmp_path, monkeypatch):
-    import nanokl.actor as actor_mod
+    import nanokl.workers as actor_mod
     real = actor_mod.compute_policy_loss
     calls = {"n": 0}
 

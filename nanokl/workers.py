@@ -32,7 +32,7 @@ skipped: its gradients are dropped and `actor/nan_skipped` counts it; the traini
 run after three such steps in a row (train_ppo.py). This mirrors verl's dp_actor.py /
 dp_critic.py (`compute_log_prob`, `update_policy`, `compute_values`, `update_critic`).
 
-tests/test_actor.py checks that the micro-batched gradient (fixed count and token budget) equals
+tests/test_workers.py checks that the micro-batched gradient (fixed count and token budget) equals
 the one-batch gradient for every loss_agg_mode, and that the log-probs equal a per-sequence
 float64 reference; tests/test_batching.py that packed forwards equal padded ones.
 """

@@ -33,7 +33,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from nanokl.config_io import UserError
+from nanokl.harness.config_io import UserError
 
 CHATML = "<|im_start|>{role}\n{content}<|im_end|>\n"
 

@@ -11,7 +11,7 @@ never stopped, a checkpoint holds everything the next step reads:
     trainer_state.pt        global step, the KL controller's beta, and every RNG state (torch CPU,
                             CUDA, and the rollout sampler's generator)
 
-The data position needs no file: batches are a pure function of (seed, step) (nanokl/data.py).
+The data position needs no file: batches are a pure function of (seed, step) (nanokl/harness/data.py).
 With all of it restored, "4 steps straight" and "2 steps, stop, resume, 2 steps" produce
 bit-identical weights on CPU (tests/test_train_ppo.py proves it).
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from nanokl.config_io import UserError
-from nanokl.hf_format import save_pretrained
+from nanokl.harness.config_io import UserError
+from nanokl.harness.hf_format import save_pretrained
 
 POINTER = "latest_checkpointed_iteration.txt"
 
@@ -106,7 +106,7 @@ def latest_checkpoint(run_dir) -> Path | None:
 
 def load_state(path) -> tuple[dict, dict]:
     """(optimizer states, trainer state) of a checkpoint directory; weights load separately
-    with nanokl.hf_format.from_pretrained(path / "actor") etc."""
+    with nanokl.harness.hf_format.from_pretrained(path / "actor") etc."""
     path = Path(path)
     for f in ("optim.pt", "trainer_state.pt"):
         if not (path / f).is_file():

@@ -6,8 +6,8 @@ RLHF never starts from scratch: a pretrained model is first fine-tuned on demons
 (supervised fine-tuning, SFT), and that SFT model becomes both PPO's initial policy and its
 reference π_ref, the anchor of the KL penalty (Ouyang et al. 2022, InstructGPT; Ziegler et al.
 2019). For the CPU course we have no pretrained model, so this file makes one: it trains a small
-byte-level BPE tokenizer on the synthetic task's texts (nanokl/tokenizer.py) and a tiny
-Qwen2-shaped decoder on its demonstrations (nanokl/data.py), then saves both in Hugging Face
+byte-level BPE tokenizer on the synthetic task's texts (nanokl/harness/tokenizer.py) and a tiny
+Qwen2-shaped decoder on its demonstrations (nanokl/harness/data.py), then saves both in Hugging Face
 format, a directory that `transformers`, generate.py and train_ppo.py all load.
 
 The loss is next-token cross-entropy on the *response* only (solution + EOS): the prompt is
@@ -16,8 +16,8 @@ learns the format (chain of thought, `#### N`, EOS) and much of the arithmetic b
 imperfect, which leaves PPO something to improve; the held-out greedy accuracy it reaches is
 printed and saved in `sft_metrics.json`.
 
-    python -m nanokl.sft                       # the default config (configs/arith_tiny.yaml)
-    python -m nanokl.sft --config C.yaml sft.steps=300
+    python -m nanokl.supervised.sft                       # the default config (configs/arith_tiny.yaml)
+    python -m nanokl.supervised.sft --config C.yaml sft.steps=300
 
 train_ppo.py calls `train_sft(cfg)` itself when the default reference checkpoint is missing.
 tests/test_sft.py checks that the loss counts response tokens only (against a hand-computed
@@ -34,13 +34,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from nanokl import dist
-from nanokl.config import parse_cli, run_cli
-from nanokl.data import arith_difficulty, build_prompts, make_arith_task, mix_answer_formats, task_texts
-from nanokl.hf_format import save_pretrained
+from nanokl.harness.config import parse_cli, run_cli
+from nanokl.harness.data import arith_difficulty, build_prompts, make_arith_task, mix_answer_formats, task_texts
+from nanokl.harness.hf_format import save_pretrained
 from nanokl.model import CausalLM, ModelConfig, init_weights
 from nanokl.reward import score_response
 from nanokl.rollout import generate
-from nanokl.tokenizer import apply_template, right_pad, train_tokenizer
+from nanokl.harness.tokenizer import apply_template, right_pad, train_tokenizer
 
 
 def encode_demos(examples, tok, template):

@@ -1,4 +1,4 @@
-"""nanokl.actor: the micro-batched forwards and updates against one-batch / float64 references.
+"""nanokl.workers: the micro-batched forwards and updates against one-batch / float64 references.
 
 - Response log-probs equal a per-sequence float64 reference (each row run alone, unpadded).
 - Critic values are read at the positions that precede each response token.
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanokl import actor as W
+from nanokl import workers as W
 from nanokl import model as M
 from nanokl.batching import Batching
-from nanokl.config import LOSS_AGG_MODES
+from nanokl.ppo import LOSS_AGG_MODES
 from nanokl.kl import kl_penalty
 from nanokl.ppo import agg_loss, compute_policy_loss, entropy_from_logits
 from nanokl.rollout import generate

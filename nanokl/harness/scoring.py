@@ -3,7 +3,7 @@
 Training reward. Each response is decoded and judged by the task's rule (nanokl/reward.py: the
 arithmetic task's answer check, or GSM8K's strict / flexible `#### N` match). With
 `reward_model.enable` a learned reward model scores the same `[prompt | response]` token sequences
-instead (nanokl/reward_model.py, normalised to mean 0 and std 1 on reference-policy samples), and
+instead (nanokl/supervised/reward_model.py, normalised to mean 0 and std 1 on reference-policy samples), and
 the rule's verdict is still computed and logged (`critic/rule_score/*`): the learned reward is a
 proxy, and a rising RM score with a flat or falling rule score is reward hacking made visible
 (Gao et al. 2023). Either way the scalar sits on the response's last real token, where PPO's
@@ -18,9 +18,9 @@ held-out prompt and the sums are all-reduced, so the accuracy is over the whole 
 import torch
 
 from nanokl import dist
-from nanokl.data import build_prompts
+from nanokl.harness.data import build_prompts
 from nanokl.reward import score_response, token_level_scores
-from nanokl.reward_model import keep_last_tokens, score_with_rm
+from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
 from nanokl.rollout import generate
 
 

@@ -9,9 +9,10 @@ Each rejection is a one-line `ConfigError` naming the dotted key (config_io adds
 line that set it). tests/test_config.py checks every rule against a config that breaks it.
 """
 
+import difflib
 import functools
 
-from nanokl.config_io import ConfigError
+from nanokl.harness.config_io import ConfigError
 
 
 def resolve(cfg):
@@ -106,8 +107,26 @@ _RULES = [
 ]
 
 
+def _owned_names():
+    """(key, the names it may take) for each key whose names a lesson module or the task table
+    owns. Imported here, lazily, so that the config module itself does not import torch."""
+    from nanokl.advantages import ESTIMATORS
+    from nanokl.kl import KL_KINDS
+    from nanokl.ppo import LOSS_AGG_MODES
+    from nanokl.tasks import TASKS
+    return [("algorithm.kl_penalty", KL_KINDS), (_A + "kl_loss_type", KL_KINDS),
+            (_A + "loss_agg_mode", LOSS_AGG_MODES), (_C + "loss_agg_mode", LOSS_AGG_MODES),
+            ("algorithm.adv_estimator", tuple(ESTIMATORS)), ("data.task", tuple(TASKS))]
+
+
 def validate(cfg):
     """Reject values that are wrong in every run (not merely unusual). Run after `resolve`."""
+    for key, names in _owned_names():
+        value = _get(cfg, key)
+        if value not in names:
+            close = difflib.get_close_matches(str(value), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key} must be one of {', '.join(names)}; got {value!r}{hint}", keys=key)
     for keys, ok, rule in _RULES:
         for key in keys:
             value = _get(cfg, key)
@@ -128,9 +147,10 @@ def validate(cfg):
                               f"* rollout.n ({mini * rollout.n}): a mini-batch's responses split into whole "
                               f"micro-batches",
                               keys=(who + "ppo_micro_batch_size_per_gpu", who + "ppo_mini_batch_size"))
-    if cfg.algorithm.adv_estimator == "grpo" and rollout.n < 2:
-        raise ConfigError(f"{_R}n must be > 1 with algorithm.adv_estimator=grpo (advantages are relative "
-                          f"to the other responses to the same prompt), got {rollout.n}",
+    from nanokl.advantages import ESTIMATORS
+    if ESTIMATORS[cfg.algorithm.adv_estimator].grouped and rollout.n < 2:
+        raise ConfigError(f"{_R}n must be > 1 with algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+                          f"(advantages are relative to the other responses to the same prompt), got {rollout.n}",
                           keys=(_R + "n", "algorithm.adv_estimator"))
     if rollout.val_kwargs.do_sample and rollout.val_kwargs.temperature <= 0:
         raise ConfigError(f"{_R}val_kwargs.temperature must be > 0 when val_kwargs.do_sample is true, got "

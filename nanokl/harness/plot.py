@@ -1,8 +1,8 @@
 """Plot a run: is the KL where the controller puts it, and is the policy learning?
 
-    python -m nanokl.plot runs/arith_tiny/ppo            # writes runs/arith_tiny/ppo/training.png
+    python -m nanokl.harness.plot runs/arith_tiny/ppo            # writes runs/arith_tiny/ppo/training.png
 
-Five panels over PPO steps, read from the run's metrics.jsonl (nanokl/tracking.py):
+Five panels over PPO steps, read from the run's metrics.jsonl (nanokl/harness/tracking.py):
   1. the per-token KL in the reward (`actor/reward_kl_penalty`) against `target_kl`, with the
      KL monitor's healthy band shaded when the run's config has one (trainer.kl_monitor);
   2. the KL coefficient beta the adaptive controller chose (`actor/reward_kl_penalty_coeff`);
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from nanokl.config_io import UserError, run_cli
-from nanokl.tracking import read_metrics
+from nanokl.harness.config_io import UserError, run_cli
+from nanokl.harness.tracking import read_metrics
 
 
 def series(rows, key):
@@ -34,7 +34,7 @@ def plot_run(run_dir, out=None) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("nanokl.plot needs matplotlib: pip install -e '.[plot]'") from None
+        raise UserError("nanokl.harness.plot needs matplotlib: pip install -e '.[plot]'") from None
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise UserError(f"{run_dir}: no metrics.jsonl (is it a train_ppo.py run directory?)")

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from nanokl import dist
-from nanokl.gae import masked_moments
+from nanokl.masked import masked_moments
 
 
 def add_stats(metrics, name, values, mask=None):

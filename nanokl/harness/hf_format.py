@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanokl.config_io import UserError
+from nanokl.harness.config_io import UserError
 from nanokl.model import CausalLM, ModelConfig, ValueModel, rope_inv_freq
 
 # architecture name in config.json -> (model_type, head): "lm" a causal LM, "value" a scalar head

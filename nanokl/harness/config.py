@@ -43,24 +43,19 @@ from typing import ClassVar, Literal, Optional, Union
 
 import yaml
 
-from nanokl.config_io import (ConfigError, UserError, all_keys, apply_override, build,
+from nanokl.harness.config_io import (ConfigError, UserError, all_keys, apply_override, build,
                               load_yaml_chain, run_cli, to_dict)
-from nanokl.config_rules import resolve, validate
+from nanokl.harness.config_rules import resolve, validate
 
 __all__ = ["Config", "ConfigError", "UserError", "run_cli", "load_config", "parse_cli", "resolve",
-           "validate", "config_to_dict", "save_config", "KL_KINDS", "LOSS_AGG_MODES", "DEFAULT_CONFIG"]
+           "validate", "config_to_dict", "save_config", "DEFAULT_CONFIG"]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "arith_tiny.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml"
 
-# The KL estimators kl.kl_penalty accepts (a trailing "+": the value of the estimator with
-# the gradient of k2, straight-through). kl.py owns the formulas; this is the list of names.
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
-                 "k1+", "kl+", "abs+", "k3+", "low_var_kl+"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# Names owned by a lesson module (a KL estimator, a loss aggregation, an advantage estimator, a
+# task) are typed `str` here; config_rules.validate checks them against the owner's list.
 Strategy = Literal["none", "ddp", "fsdp2"]  # verl says fsdp/fsdp2; nanokl has one plain, one DDP, one FSDP2 path
 MonitorAction = Literal["warn", "stop", "rollback"]  # what a failing KL-monitor check does (monitor.py)
-KL_KINDS = typing.get_args(KLKind)
-LOSS_AGG_MODES = typing.get_args(LossAggMode)
 
 
 @dataclass
@@ -77,7 +72,7 @@ class DataConfig:
     seed: Optional[int] = None  # shuffling seed; None -> trainer.seed
     truncation: Literal["error", "left", "right"] = "error"  # over-long prompt: raise, cut its start, cut its end
     filter_overlong_prompts: bool = False  # drop over-long prompts when loading instead
-    task: Literal["arith"] = "arith"  # built-in synthetic task used when train_files is empty
+    task: str = "arith"  # the task (nanokl/tasks/): its examples, prompt, score and warm-start demonstrations
     num_train: int = 4096  # synthetic task: number of training prompts
     num_val: int = 256  # synthetic task: number of validation prompts (0: no validation)
     arith_num_operands: int = 3  # synthetic task: numbers per problem (one reasoning step per operator)
@@ -125,11 +120,11 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = None  # lower epsilon; None -> clip_ratio
     clip_ratio_high: Optional[float] = None  # upper epsilon; None -> clip_ratio (DAPO raises it)
     clip_ratio_c: float = 3.0  # dual-clip: a negative advantage's loss is capped at c * |A|
-    loss_agg_mode: LossAggMode = "token-mean"  # how per-token losses become one number
+    loss_agg_mode: str = "token-mean"  # how per-token losses become one number (ppo.LOSS_AGG_MODES)
     entropy_coeff: float = 0.0  # entropy bonus weight (subtracted from the loss)
     use_kl_loss: bool = False  # add kl_loss_coef * KL(pi || pi_ref) to the loss (GRPO-style)
     kl_loss_coef: float = 0.001  # weight of that KL loss
-    kl_loss_type: KLKind = "low_var_kl"  # estimator for that KL loss
+    kl_loss_type: str = "low_var_kl"  # estimator for that KL loss (kl.KL_KINDS)
     ppo_epochs: int = 1  # passes over each batch of rollouts
     shuffle: bool = False  # reshuffle responses between those passes
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -201,17 +196,17 @@ class CriticConfig:
     shuffle: bool = False  # reshuffle between passes
     grad_clip: float = 1.0  # clip the global gradient norm to this
     cliprange_value: float = 0.5  # new values are clipped to old +- this (PPO value clipping)
-    loss_agg_mode: LossAggMode = "token-mean"  # how per-token value losses become one number
+    loss_agg_mode: str = "token-mean"  # how per-token value losses become one number (ppo.LOSS_AGG_MODES)
 
 
 @dataclass
 class RewardModelModelConfig:
-    path: Optional[str] = None  # reward model dir (HF ...ForSequenceClassification); nanokl.reward_model writes it
+    path: Optional[str] = None  # reward model dir (HF ...ForSequenceClassification); nanokl.supervised.reward_model writes it
 
 
 @dataclass
 class RewardModelTrainConfig:
-    """nanokl-only: how `python -m nanokl.reward_model` builds ranking data and trains the RM."""
+    """nanokl-only: how `python -m nanokl.supervised.reward_model` builds ranking data and trains the RM."""
     data_path: Optional[str] = None  # ranking JSONL to train on; built from the warm start when the file is missing
     val_data_path: Optional[str] = None  # held-out rankings (other prompts) for pairwise accuracy; built with data_path
     num_prompts: int = 2048  # built data: training prompts, n sampled responses each
@@ -229,7 +224,7 @@ class RewardModelTrainConfig:
 class RewardModelConfig:
     enable: bool = False  # score with a learned reward model instead of the rule-based score
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    train: RewardModelTrainConfig = field(default_factory=RewardModelTrainConfig)  # python -m nanokl.reward_model
+    train: RewardModelTrainConfig = field(default_factory=RewardModelTrainConfig)  # python -m nanokl.supervised.reward_model
     micro_batch_size_per_gpu: Optional[int] = None  # responses per reward-model forward; None -> all
     max_length: Optional[int] = None  # PPO scoring: the RM sees each sequence's last this-many tokens; None: all
     missing_eos_penalty: float = 0.0  # subtracted from the score of a response cut off before its EOS
@@ -248,16 +243,16 @@ class KLCtrlConfig:
 class AlgorithmConfig:
     gamma: float = 1.0  # discount per token
     lam: float = 1.0  # GAE lambda: 0 one-step TD, 1 Monte-Carlo
-    adv_estimator: Literal["gae", "grpo"] = "gae"  # critic + GAE, or group-relative (no critic)
+    adv_estimator: str = "gae"  # advantages.ESTIMATORS: gae (critic), grpo / rloo (group baselines, no critic)
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
     use_kl_in_reward: bool = False  # subtract beta * KL(pi || pi_ref) from each token's reward
-    kl_penalty: KLKind = "kl"  # estimator for that in-reward KL
+    kl_penalty: str = "kl"  # estimator for that in-reward KL (kl.KL_KINDS)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
 
 @dataclass
 class KLMonitorConfig:
-    """nanokl-only: the KL health checks of nanokl/monitor.py (the verl KL-tuning checklist), run
+    """nanokl-only: the KL health checks of nanokl/harness/monitor.py (the verl KL-tuning checklist), run
     on each PPO step's metrics. An action is "warn" (log it), "stop" (save and end the run cleanly)
     or "rollback" (reload the last healthy checkpoint, multiply beta by rollback_beta_factor, go on)."""
     enable: bool = False  # run the checks each step and log monitor/* metrics
@@ -379,5 +374,5 @@ def save_config(cfg: Config, path) -> None:
     """Write `cfg` as YAML; `load_config(path)` gives back an equal Config."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        f.write("# nanokl config, resolved (written by nanokl.config.save_config)\n")
+        f.write("# nanokl config, resolved (written by nanokl.harness.config.save_config)\n")
         yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=None)

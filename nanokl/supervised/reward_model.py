@@ -42,10 +42,10 @@ rollout temperature, on PPO's own training prompts) and store their mean and (po
 returns (r - mean) / std, so rewards have mean 0 and std 1 on reference samples and beta means the
 same thing whatever the RM. The weights stay the raw HF model: transformers' logits are the raw r.
 
-    python -m nanokl.reward_model                 # configs/arith_tiny.yaml: data, train, normalise, save
-    python -m nanokl.reward_model reward_model.train.loss=pl
+    python -m nanokl.supervised.reward_model                 # configs/arith_tiny.yaml: data, train, normalise, save
+    python -m nanokl.supervised.reward_model reward_model.train.loss=pl
 
-builds the ranking data when `reward_model.train.data_path` is missing (nanokl/preference_data.py:
+builds the ranking data when `reward_model.train.data_path` is missing (nanokl/supervised/preference_data.py:
 4 samples per prompt from the warm start, ranked correct-by-rule, then graded format, then shorter),
 trains the RM from the warm start, prints the held-out pairwise accuracy (the share of implied
 pairs of held-out prompts it orders correctly) and saves to `reward_model.model.path`.
@@ -67,16 +67,16 @@ from torch import nn
 from tqdm import tqdm
 
 from nanokl import dist
-from nanokl.config import ConfigError, parse_cli, run_cli
-from nanokl.config_io import UserError
-from nanokl.data import arith_difficulty, build_prompts, load_examples, make_arith_task
-from nanokl.hf_format import CheckpointError, from_pretrained, load_scalar_head, read_config, save_pretrained
+from nanokl.harness.config import ConfigError, parse_cli, run_cli
+from nanokl.harness.config_io import UserError
+from nanokl.harness.data import arith_difficulty, build_prompts, load_examples, make_arith_task
+from nanokl.harness.hf_format import CheckpointError, from_pretrained, load_scalar_head, read_config, save_pretrained
 from nanokl.model import Decoder, ModelConfig
-from nanokl.preference_data import build_preference_data, pair_kinds, read_preferences
+from nanokl.supervised.preference_data import build_preference_data, pair_kinds, read_preferences
 from nanokl.reward import RULE_SOURCES
 from nanokl.rollout import generate
-from nanokl.sft import adamw_cosine
-from nanokl.tokenizer import apply_template, load_tokenizer, right_pad
+from nanokl.supervised.sft import adamw_cosine
+from nanokl.harness.tokenizer import apply_template, load_tokenizer, right_pad
 
 NORM_FILE = "reward_normalization.json"
 
@@ -289,13 +289,13 @@ def reference_samples(policy, tok, examples, max_new_tokens, temperature=1.0, te
 
 
 def train_from_config(cfg, progress=True) -> dict:
-    """What `python -m nanokl.reward_model` does; returns the metrics it also writes to rm_metrics.json."""
+    """What `python -m nanokl.supervised.reward_model` does; returns the metrics it also writes to rm_metrics.json."""
     rc, t, d = cfg.reward_model, cfg.reward_model.train, cfg.data  # sizes and rates: checked by config_rules
     if not rc.model.path or not t.data_path:
         raise ConfigError("set reward_model.model.path (where the RM is saved) and reward_model.train.data_path")
     policy_dir = cfg.actor_rollout_ref.model.path
     if not (Path(policy_dir) / "config.json").is_file():
-        raise UserError(f"{policy_dir}: no warm start to start the reward model from; run python -m nanokl.sft")
+        raise UserError(f"{policy_dir}: no warm start to start the reward model from; run python -m nanokl.supervised.sft")
     device = dist.local_device(cfg.trainer.device)
     temperature = cfg.actor_rollout_ref.rollout.temperature
     t0 = time.perf_counter()

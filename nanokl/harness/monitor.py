@@ -39,7 +39,7 @@ steps since KL starts at 0. Above it: the policy drifts faster than the controll
 KL *variance* says a few responses carry the KL: the policy found something specific (often an
 exploit) rather than shifting as a whole. Entropy near 0 is mode collapse: one answer, no more
 exploration. A reward variance far above the reference's (a normalised reward model gives 1 on
-reference samples, nanokl/reward_model.py) is the signature of reward hacking. KL above kl_stop
+reference samples, nanokl/supervised/reward_model.py) is the signature of reward hacking. KL above kl_stop
 for several steps in a row is a run the controller has lost.
 
 Each check has an action (`<check>_action`): "warn" (log it), "stop" (save and end the run

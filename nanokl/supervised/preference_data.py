@@ -37,7 +37,7 @@ A ranking is a strict order, so responses the preference cannot tell apart (the 
 often the very same text, which a confident policy samples often) keep only their first copy;
 a prompt left with fewer than two distinct responses gives no comparison and is skipped. The
 held-out split is by prompt: validation rankings come from the task's validation problems,
-which no training prompt ever equals (nanokl/data.py splits the problem space by a hash).
+which no training prompt ever equals (nanokl/harness/data.py splits the problem space by a hash).
 
 tests/test_reward_model.py checks the ranking rule on hand-written responses and that every
 kind of bad row names its file and line.
@@ -49,12 +49,12 @@ from pathlib import Path
 
 import torch
 
-from nanokl.config_io import UserError
-from nanokl.data import ArithDifficulty, build_prompts, make_arith_task, read_rows
-from nanokl.hf_format import from_pretrained
+from nanokl.harness.config_io import UserError
+from nanokl.harness.data import ArithDifficulty, build_prompts, make_arith_task, read_rows
+from nanokl.harness.hf_format import from_pretrained
 from nanokl.reward import extract_gsm8k_answer, score_response
 from nanokl.rollout import generate
-from nanokl.tokenizer import load_tokenizer
+from nanokl.harness.tokenizer import load_tokenizer
 
 
 def _row(obj, where: str) -> dict:
@@ -86,7 +86,7 @@ def _row(obj, where: str) -> dict:
 
 
 def read_preferences(path) -> list[dict]:
-    """All rows of a preference file (.jsonl, .json or .parquet; nanokl.data.read_rows), each as
+    """All rows of a preference file (.jsonl, .json or .parquet; nanokl.harness.data.read_rows), each as
     {"prompt", "responses", "ranking", ...}."""
     path = Path(path)
     if not path.is_file():

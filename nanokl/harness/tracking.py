@@ -2,7 +2,7 @@
 
 Every PPO step produces a flat dict of floats under verl's metric names (`actor/ppo_kl`,
 `critic/score/mean`, `timing_s/gen`, ...). `Tracker` appends it as one JSON object per line to
-`<run dir>/metrics.jsonl` (with `training/global_step`), the file that nanokl/plot.py, the tests
+`<run dir>/metrics.jsonl` (with `training/global_step`), the file that nanokl/harness/plot.py, the tests
 and the README's numbers read; prints a one-line summary through tqdm so the progress bar stays
 intact; and forwards it to TensorBoard or Weights & Biases only when the package is installed and
 `trainer.logger` asks for it (verl's `Tracking` does the same with more backends).

@@ -9,7 +9,7 @@ nanokl/reward.py). Every loader here returns the same plain shape, a list of dic
 
 1. The synthetic task (`make_arith_task`). A CPU run needs a task a 2-layer model can learn in
    minutes, whose answers a rule can check: short arithmetic with a chain of thought of one
-   step per operation, written one digit per token (see nanokl/tokenizer.py),
+   step per operation, written one digit per token (see nanokl/harness/tokenizer.py),
 
        prompt    "Q: 37+48-12=?\\nA:"
        solution  " 37+48=85\\n85-12=73\\n#### 73"
@@ -57,8 +57,8 @@ import json
 import random
 from pathlib import Path
 
-from nanokl.config_io import UserError
-from nanokl.tokenizer import apply_template
+from nanokl.harness.config_io import UserError
+from nanokl.harness.tokenizer import apply_template
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

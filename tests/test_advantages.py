@@ -1,4 +1,4 @@
-"""Tests for nanokl/gae.py: masked statistics against numpy, GAE against a per-sequence
+"""Tests for nanokl/advantages.py: masked statistics against numpy, GAE against a per-sequence
 float64 loop, world-size independent whitening, and GRPO against per-group python lists."""
 
 import math
@@ -7,15 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanokl.gae import (
-    compute_gae_advantage_return,
-    compute_grpo_outcome_advantage,
-    masked_mean,
-    masked_moments,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-)
+from nanokl.advantages import compute_gae_advantage_return, compute_grpo_outcome_advantage
+from nanokl.masked import masked_mean, masked_moments, masked_sum, masked_var, masked_whiten
 
 
 def right_padded_mask(lengths, width):

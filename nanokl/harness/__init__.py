@@ -1,0 +1,1 @@
+"""The harness: what makes the lesson run for real (config, data, checkpoints, logging, scoring, ...)."""
