@@ -49,6 +49,7 @@ from nanokl.harness.scoring import score_batch, validate
 from nanokl.rollout import generate
 from nanokl.supervised.sft import train_sft
 from nanokl.harness.tokenizer import load_tokenizer
+from nanokl.tasks import TASKS
 from nanokl.harness.tracking import Tracker
 
 MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before the run stops
@@ -59,11 +60,7 @@ class TrainingStopped(Exception):
 
 
 def load_data(cfg):
-    d = cfg.data
-    if d.train_files is None:  # the built-in synthetic task
-        return make_arith_task(d.num_train, d.num_val, seed=d.seed, difficulty=arith_difficulty(d))
-    val = load_examples(d.val_files, d.prompt_key, d.reward_fn_key) if d.val_files else []
-    return load_examples(d.train_files, d.prompt_key, d.reward_fn_key), val
+    return TASKS[cfg.data.task].examples(cfg.data, seed=cfg.data.seed)
 
 
 def lr_lambda(optim, total_steps):

@@ -1,5 +1,5 @@
-"""Tests for nanokl/advantages.py: masked statistics against numpy, GAE against a per-sequence
-float64 loop, world-size independent whitening, and GRPO against per-group python lists."""
+"""Tests for nanokl/advantages.py: GAE against a per-sequence float64 loop, world-size independent
+whitening, and GRPO against per-group python lists."""
 
 import math
 
@@ -8,57 +8,11 @@ import pytest
 import torch
 
 from nanokl.advantages import compute_gae_advantage_return, compute_grpo_outcome_advantage
-from nanokl.masked import masked_mean, masked_moments, masked_sum, masked_var, masked_whiten
+from test_masked import np_whiten
 
 
 def right_padded_mask(lengths, width):
     return torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths], dtype=torch.float64)
-
-
-def np_whiten(x, m, shift_mean=True):
-    """Reference whitening in numpy over the mask==1 entries, unbiased variance."""
-    sel = x[m > 0]
-    mean, var = sel.mean(), sel.var(ddof=1)
-    out = (x - mean) / np.sqrt(var + 1e-8)
-    return out + mean if not shift_mean else out
-
-
-def test_masked_stats_match_numpy():
-    x = torch.randn(5, 9, dtype=torch.float64) * 3 + 2
-    m = right_padded_mask([9, 4, 1, 7, 3], 9)
-    m[0, 4] = 0.0  # a hole in the middle
-    xn, mn = x.numpy(), m.numpy()
-    sel = xn[mn > 0]
-    assert masked_sum(x, m).item() == pytest.approx(sel.sum(), rel=1e-12)
-    assert masked_mean(x, m).item() == pytest.approx(sel.mean(), rel=1e-12)
-    assert masked_var(x, m).item() == pytest.approx(sel.var(ddof=1), rel=1e-12)
-    assert masked_var(x, m, unbiased=False).item() == pytest.approx(sel.var(ddof=0), rel=1e-12)
-    row_means = masked_mean(x, m, dim=-1)
-    for i in range(5):
-        assert row_means[i].item() == pytest.approx(xn[i][mn[i] > 0].mean(), rel=1e-12)
-    torch.testing.assert_close(masked_sum(x, m, dim=0), torch.from_numpy((xn * mn).sum(0)))
-    assert masked_mean(x, torch.zeros_like(m)).item() == 0.0  # empty mask: 0, not NaN
-    s1, s2, n = masked_moments(x, m)
-    assert (s1.item(), s2.item(), n.item()) == pytest.approx((sel.sum(), (sel**2).sum(), sel.size))
-    for shift in (True, False):
-        torch.testing.assert_close(masked_whiten(x, m, shift_mean=shift),
-                                   torch.from_numpy(np_whiten(xn, mn, shift)))
-    with pytest.raises(ValueError):
-        masked_var(x, right_padded_mask([1, 0, 0, 0, 0], 9))
-
-
-def test_whiten_with_global_moments_of_split_batch_equals_whole():
-    """Two 'ranks' each hold half the rows; adding their moments (what an all-reduce does)
-    and whitening each half with them reproduces whitening the whole batch."""
-    x = torch.randn(6, 8, dtype=torch.float64) * 2 + 5
-    m = right_padded_mask([8, 3, 5, 2, 7, 1], 8)
-    halves = [(x[:3], m[:3]), (x[3:], m[3:])]
-    moments = [masked_moments(xi, mi) for xi, mi in halves]
-    global_stats = tuple(a + b for a, b in zip(*moments))
-    split = torch.cat([masked_whiten(xi, mi, stats=global_stats) for xi, mi in halves])
-    torch.testing.assert_close(split, masked_whiten(x, m), rtol=1e-12, atol=1e-12)
-    local = torch.cat([masked_whiten(xi, mi) for xi, mi in halves])
-    assert not torch.allclose(local, split)  # local statistics really would differ
 
 
 def gae_reference(rewards, values, mask, gamma, lam):
