@@ -42,6 +42,9 @@ Aggregating a [batch, len] loss matrix (verl's `agg_loss`)
                                                           constant H removes the length bias
 Defaults: N_tok = mask sum of this call, N_seq = rows of this call (empty rows included, they
 contribute 0), H = loss_mask.shape[-1]. A row with n_i = 0 contributes 0 (n_i clamped to 1).
+"m·l" is read as "l where m": the mask selects (nanokl/masked.py's `zero_masked`), so a padded
+position holding inf or NaN (a −inf log-prob, a KL estimate built from it) adds nothing to the
+loss and gets a gradient of exactly 0, where a product would give 0·inf = NaN.
 With micro-batching or data parallelism the local denominators are wrong: each micro-batch
 would be normalized by its own count. Pass `global_norm` (the token count for token-mean, the
 sequence count for seq-mean-*, of the whole mini-batch) and the function divides by exactly
@@ -50,6 +53,18 @@ that number; summing the micro-batch gradients then gives the mini-batch mean. D
 (verl's `* dp_size`). Pass `horizon` (e.g. the configured max response length) so H does not
 change with the padding of each micro-batch. `global_norm`/`horizon` may be numbers or 0-d
 tensors; the returned metrics are always plain local masked means.
+
+Where nanokl differs from verl's agg_loss (verl/trainer/ppo/core_algos.py):
+  * seq-mean-token-sum-norm divides by the number of sequences N_seq as well as by H: a mean
+    over responses of Σ_t m·l / H, the Dr. GRPO objective. The verl agg_loss quoted in verl
+    issue #3741 divides Σ_i Σ_t m·l by H only, so its loss and gradient grow with the batch
+    size (newer verl also divides by the global batch size).
+  * Empty rows (all-masked responses) count in the seq-mean-* denominator N_seq: they
+    contribute 0 and are counted. verl, when it counts the sequences itself, leaves fully
+    masked ones out.
+  * An all-masked call returns 0, not NaN: N_tok is clamped to 1 and N_seq counts the empty
+    rows, where verl's local counts are 0 and 0/0 = NaN. A global_norm passed in is used as
+    given, so a global_norm of 0 still divides by 0.
 
 Metric type: every metric is a detached 0-d tensor on the loss's device; the caller decides
 when to `.item()` (one sync per step instead of one per metric per micro-batch).
@@ -62,9 +77,6 @@ z_y and subtracting logsumexp keeps nothing of size V beyond the logits, which t
 anyway. Entropy H = −Σ p log p = logsumexp(z) − Σ softmax(z)·z (since log p = z − logsumexp).
 Both compute in the dtype of the logits; pass float32 logits for float32 precision.
 
-explained_variance = 1 − Var[R − V]/Var[R] over masked tokens (verl's critic/vf_explained_var):
-1 means the critic predicts the returns perfectly, 0 means it does no better than a constant.
-
 How the tests prove it (tests/test_ppo.py)
 -----------------------------------------
 The policy loss equals a per-token python reference written branch by branch, on inputs built
@@ -72,23 +84,33 @@ to hit every clip branch (each branch asserted hit); the three metrics equal the
 the gradient in the unclipped region equals −A·ρ per token (token-mean times the token count)
 and is 0 where clipped. Value loss and vf_clipfrac likewise; all four agg_loss modes (with and
 without global_norm/horizon) equal python-loop reductions; entropy and logprobs equal float64
-−Σp log p and log_softmax-gather; explained_variance equals its numpy definition.
+−Σp log p and log_softmax-gather. With NaN, +inf or −inf under the mask, every agg_loss mode
+equals the python reduction of the real entries, with a gradient of exactly 0 at the masked
+ones; a padded −inf log-prob (alone, or against a −inf old log-prob: a NaN log-ratio) leaves
+the policy loss, its metrics and its gradient finite and equal to those with a 0 there, and
+an infinite padded value prediction leaves the value loss finite.
 """
 
 import torch
 
-from nanokl.masked import masked_mean, masked_var
+from nanokl.masked import masked_mean, zero_masked
 
 # How agg_loss may reduce a loss matrix (the config validates loss_agg_mode against this list).
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None):
-    """Reduce a [batch, len] loss matrix to a scalar; see the module docstring for each mode."""
+    """Reduce a [batch, len] loss matrix to a scalar; see the module docstring for each mode.
+
+    The mask selects: inf/NaN at masked entries never reach the loss, and their gradient is 0.
+    Unlike verl: seq-mean-token-sum-norm divides by the number of sequences too (Dr. GRPO;
+    verl issue #3741), all-masked rows count in the seq-mean-* denominators, and an
+    all-masked call returns 0, not NaN.
+    """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes are {', '.join(LOSS_AGG_MODES)}")
     mask = loss_mask.to(loss_mat.dtype)
-    token_sums = (loss_mat * mask).sum(dim=-1)
+    token_sums = zero_masked(loss_mat, loss_mask).sum(dim=-1)
     if loss_agg_mode == "token-mean":
         norm = mask.sum().clamp(min=1) if global_norm is None else global_norm
         return token_sums.sum() / norm
@@ -155,12 +177,3 @@ def logprobs_from_logits(logits, labels):
     """log softmax(logits)[labels] as z_label − logsumexp(z), without a [.., V] log-softmax."""
     label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return label_logits - torch.logsumexp(logits, dim=-1)
-
-
-@torch.no_grad()
-def explained_variance(values, returns, mask):
-    """1 − Var[returns − values] / Var[returns] over mask==1 tokens, a detached 0-d tensor.
-    Var[returns] is floored at 1e-8 so constant returns give a finite number."""
-    var_resid = masked_var(returns - values, mask)
-    var_returns = masked_var(returns, mask)
-    return 1.0 - var_resid / var_returns.clamp(min=1e-8)

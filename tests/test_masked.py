@@ -1,5 +1,6 @@
-"""Tests for nanokl/masked.py: masked sum/mean/var/moments/whiten against numpy, and whitening
-with the summed moments of a split batch equal to whitening the whole batch."""
+"""Tests for nanokl/masked.py: masked sum/mean/var/moments/whiten against numpy, whitening with
+the summed moments of a split batch equal to whitening the whole batch, and NaN/±inf under the
+mask changing no statistic."""
 
 import numpy as np
 import pytest
@@ -56,3 +57,60 @@ def test_whiten_with_global_moments_of_split_batch_equals_whole():
     torch.testing.assert_close(split, masked_whiten(x, m), rtol=1e-12, atol=1e-12)
     local = torch.cat([masked_whiten(xi, mi) for xi, mi in halves])
     assert not torch.allclose(local, split)  # local statistics really would differ
+
+
+def test_masked_mean_ignores_nan_under_the_mask():
+    x = torch.tensor([1.0, 2.0, float("nan"), 4.0])
+    assert masked_mean(x, torch.tensor([1, 0, 0, 1])).item() == 2.5
+
+
+@pytest.mark.parametrize("mask_kind", [torch.bool, torch.int64, torch.float32])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_under_the_mask_never_leak(poison, mask_kind):
+    """Every statistic of a tensor holding NaN/±inf at its masked entries equals (a) numpy float64
+    over the compressed real entries and (b) the same statistic, bit for bit, on a copy whose
+    masked entries are 0. The poisoned rows include an empty one and a hole."""
+    clean = torch.randn(5, 9, dtype=torch.float64) * 3 + 2
+    m = right_padded_mask([9, 4, 0, 7, 3], 9)
+    m[0, 4] = 0.0
+    clean[m == 0] = 0.0
+    x = clean.clone()
+    x[m == 0] = poison
+    mask = m.to(mask_kind)
+    assert torch.isnan((x * m).sum())  # the multiply-based form would be poisoned
+
+    xn, mn = clean.numpy(), m.numpy()
+    sel = xn[mn > 0]
+    rows = [xn[i][mn[i] > 0] for i in range(5)]
+    cols = [xn[:, j][mn[:, j] > 0] for j in range(9)]
+    want = {
+        "sum": sel.sum(), "mean": sel.mean(), "var": sel.var(ddof=1), "var0": sel.var(ddof=0),
+        "row_sum": [r.sum() for r in rows], "row_mean": [r.mean() if r.size else 0.0 for r in rows],
+        "col_sum": [c.sum() for c in cols], "col_mean": [c.mean() if c.size else 0.0 for c in cols],
+        "moments": [sel.sum(), (sel**2).sum(), float(sel.size)],
+    }
+
+    def stats(v):
+        return {
+            "sum": masked_sum(v, mask), "mean": masked_mean(v, mask), "var": masked_var(v, mask),
+            "var0": masked_var(v, mask, unbiased=False),
+            "row_sum": masked_sum(v, mask, dim=-1), "row_mean": masked_mean(v, mask, dim=-1),
+            "col_sum": masked_sum(v, mask, dim=0), "col_mean": masked_mean(v, mask, dim=0),
+            "moments": torch.stack(masked_moments(v, mask)),
+        }
+
+    got, on_zeros = stats(x), stats(clean)
+    for k, v in got.items():
+        assert torch.isfinite(v).all(), k
+        assert torch.equal(v, on_zeros[k]), k
+        np.testing.assert_allclose(np.atleast_1d(v.numpy()), np.atleast_1d(want[k]), rtol=1e-12, atol=1e-12,
+                                   err_msg=k)
+
+    # Whitening: the values at masked positions may be anything, the statistics must not be.
+    real = m > 0
+    for shift in (True, False):
+        w = masked_whiten(x, mask, shift_mean=shift)
+        assert torch.isfinite(w[real]).all()
+        torch.testing.assert_close(w[real], torch.from_numpy(np_whiten(xn, mn, shift))[real],
+                                   rtol=1e-12, atol=1e-12)
+        assert torch.equal(w[real], masked_whiten(clean, mask, shift_mean=shift)[real])

@@ -26,3 +26,17 @@ def test_explained_variance_equals_numpy_definition():
     r, v = ret.numpy()[mask.numpy() > 0].astype(np.float64), val.numpy()[mask.numpy() > 0].astype(np.float64)
     want = 1 - np.var(r - v, ddof=1) / np.var(r, ddof=1)
     assert explained_variance(val, ret, mask) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("pad_value", [1e6, float("nan")])
+def test_explained_variance_ignores_padding_and_is_one_for_a_perfect_critic(pad_value):
+    returns = torch.randn(4, 8, dtype=torch.float64) * 2
+    values = returns + torch.randn(4, 8, dtype=torch.float64) * 0.7
+    mask = torch.ones(4, 8, dtype=torch.float64)
+    mask[2, 5:] = 0.0
+    values[2, 5:] = pad_value  # padding must not count
+    ev = explained_variance(values, returns, mask)
+    r, v = returns.numpy()[mask.numpy() > 0], values.numpy()[mask.numpy() > 0]
+    assert isinstance(ev, float)
+    assert ev == pytest.approx(1 - np.var(r - v) / np.var(r), rel=1e-6)
+    assert explained_variance(returns, returns, mask) == 1.0

@@ -1,9 +1,9 @@
 """Tests for nanokl/ppo.py: the dual-clip policy loss branch by branch, the clipped value loss,
-every aggregation mode against python loops, entropy, log-probs and explained variance."""
+every aggregation mode against python loops (also with NaN/±inf under the mask), entropy and
+log-probs."""
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,6 @@ from nanokl.ppo import (
     compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
-    explained_variance,
     logprobs_from_logits,
 )
 
@@ -218,14 +217,77 @@ def test_logprobs_from_logits_matches_log_softmax_gather():
     torch.testing.assert_close(lp32.double(), ref.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_explained_variance_matches_numpy():
-    returns = torch.randn(4, 8, dtype=torch.float64) * 2
-    values = returns + torch.randn(4, 8, dtype=torch.float64) * 0.7
-    mask = torch.ones(4, 8, dtype=torch.float64)
-    mask[2, 5:] = 0.0
-    values[2, 5:] = 1e6  # padding must not count
-    ev = explained_variance(values, returns, mask)
-    r, v = returns.numpy()[mask.numpy() > 0], values.numpy()[mask.numpy() > 0]
-    assert ev.item() == pytest.approx(1 - np.var(r - v) / np.var(r), rel=1e-12)
-    assert ev.dim() == 0
-    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+
+POISONS = [math.nan, math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("norms", [{}, {"global_norm": 37.0, "horizon": 16}])
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_ignores_non_finite_values_under_the_mask(mode, poison, norms):
+    """NaN/±inf at masked entries: the loss equals the python reduction of the real entries and,
+    bit for bit, the loss of a copy with 0 there; the gradient is the same, exactly 0 at masked
+    entries. For bool, int and float masks."""
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 0]])
+    clean = torch.randn(4, 5, dtype=torch.float64)
+    clean[mask == 0] = 0.0
+    poisoned = clean.clone()
+    poisoned[mask == 0] = poison
+    want = python_agg(poisoned.tolist(), mask.tolist(), mode, **norms)  # reads real entries only
+    assert math.isfinite(want)
+    for m in (mask.bool(), mask, mask.double()):
+        x, c = poisoned.clone().requires_grad_(True), clean.clone().requires_grad_(True)
+        loss, ref = agg_loss(x, m, mode, **norms), agg_loss(c, m, mode, **norms)
+        assert loss.item() == pytest.approx(want, rel=1e-12)
+        assert torch.equal(loss, ref)
+        (g,), (g_ref,) = torch.autograd.grad(loss, x), torch.autograd.grad(ref, c)
+        assert torch.isfinite(g).all() and torch.equal(g, g_ref)
+        assert (g[mask == 0] == 0).all() and (g[mask > 0] != 0).all()
+
+
+@pytest.mark.parametrize("old_too", [False, True])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_with_neg_inf_log_prob_at_a_padded_position(mode, old_too):
+    """A −inf log-prob at a padded position (old_too: against a −inf old log-prob as well, so the
+    log-ratio is NaN) gives the finite loss, metrics and gradient of a 0 there, and a gradient of
+    exactly 0 at that position. Alone, the −inf is already tamed by the ±20 log-ratio clamp; the
+    NaN log-ratio is what a multiply-based mask would let through."""
+    old, new, adv, mask = policy_inputs()
+    pad = (3, 4)
+    assert mask[pad] == 0
+    old[pad] = new[pad] = 0.0
+    old_inf, new_inf = old.clone(), new.clone()
+    new_inf[pad] = -math.inf
+    if old_too:
+        old_inf[pad] = -math.inf
+    results = []
+    for o, n in ((old, new), (old_inf, new_inf)):
+        n = n.clone().requires_grad_(True)
+        loss, metrics = compute_policy_loss(o, n, adv, mask, EPS_LOW, EPS_HIGH, CLIP_C, mode)
+        (grad,) = torch.autograd.grad(loss, n)
+        results.append((loss, metrics, grad))
+    (loss0, metrics0, grad0), (loss, metrics, grad) = results
+    assert torch.isfinite(loss) and torch.equal(loss, loss0)
+    for k, v in metrics.items():
+        assert torch.isfinite(v) and torch.equal(v, metrics0[k]), k
+    assert torch.isfinite(grad).all() and torch.equal(grad, grad0)
+    assert grad[pad] == 0
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_value_loss_with_non_finite_padded_entries(mode):
+    """inf/NaN in the predictions, returns and old values at padded positions leave the value
+    loss and vf_clipfrac finite and equal to those with 0 there."""
+    values = torch.randn(3, 7, dtype=torch.float64)
+    vpreds = values + torch.randn(3, 7, dtype=torch.float64)
+    returns = values + torch.randn(3, 7, dtype=torch.float64)
+    mask = torch.ones(3, 7, dtype=torch.float64)
+    mask[1, 4:] = 0.0
+    for t in (values, vpreds, returns):
+        t[1, 4:] = 0.0
+    bad_v, bad_p, bad_r = values.clone(), vpreds.clone(), returns.clone()
+    bad_p[1, 4], bad_r[1, 5], bad_v[1, 6] = math.inf, -math.inf, math.nan
+    loss0, m0 = compute_value_loss(vpreds, returns, values, mask, 0.5, mode)
+    loss, m = compute_value_loss(bad_p, bad_r, bad_v, mask, 0.5, mode)
+    assert torch.isfinite(loss) and torch.equal(loss, loss0)
+    assert torch.isfinite(m["vf_clipfrac"]) and torch.equal(m["vf_clipfrac"], m0["vf_clipfrac"])

@@ -9,7 +9,8 @@ the logged numbers are those of the whole global batch, whatever the world size.
 
 The critic's explained variance, 1 - Var[R - V] / Var[R] over the response tokens, is 1 for a
 critic that predicts the returns exactly, 0 for one that predicts their mean, and negative for a
-worse one (nanokl/ppo.py's `explained_variance` is its single-process form, tested against numpy).
+worse one (verl's critic/vf_explained_var). Var[R] is floored at 1e-8, so constant returns give a
+finite number. tests/test_metrics.py checks it against numpy at world size 1, padding included.
 """
 
 import math
