@@ -1,5 +1,5 @@
-"""nanokl.harness.data: the synthetic task against a hand parser, GSM8K loading against the raw files,
-one-line errors for bad rows, stateless batches, and prompts that round-trip the tokenizer."""
+"""nanokl.harness.data: verl-style rows from JSONL / JSON / Parquet, one-line errors for bad rows,
+stateless batches, and prompts that round-trip the tokenizer. (Each task's own data: tests/test_tasks.py.)"""
 
 import json
 import sys
@@ -7,123 +7,19 @@ import sys
 import pytest
 
 from nanokl.harness.config_io import UserError
-from nanokl.harness.data import (GSM8K_INSTRUCTION, ArithDifficulty, _permutation, batch_indices, build_prompts,
-                         filter_overlong, load_examples, make_arith_task, steps_per_epoch, task_texts)
+from nanokl.harness.data import (_permutation, batch_indices, build_prompts, filter_overlong, read_examples,
+                                 steps_per_epoch, verl_row_to_example)
 from nanokl.harness.tokenizer import train_tokenizer
-
-# ---------------------------------------------------------------------------------------------
-# The synthetic task
-# ---------------------------------------------------------------------------------------------
+from nanokl.tasks.arith import ArithDifficulty, make_arith_task
 
 
-def hand_parse(expr):
-    """'37+48*2-12' -> ([37, 48, 2, 12], ['+', '*', '-']), one character at a time."""
-    nums, ops, cur = [], [], ""
-    for ch in expr:
-        if ch.isdigit():
-            cur += ch
-        else:
-            nums.append(int(cur))
-            ops.append(ch)
-            cur = ""
-    nums.append(int(cur))
-    return nums, ops
-
-
-def hand_value(nums, ops):
-    """Sum of signed products: the school rule, written independently of data._solve."""
-    total, sign, term = 0, 1, nums[0]
-    for op, n in zip(ops, nums[1:]):
-        if op == "*":
-            term *= n
-        else:
-            total += sign * term
-            sign, term = (1 if op == "+" else -1), n
-    return total + sign * term
-
-
-def check_demo(ex):
-    assert ex["prompt"].startswith("Q: ") and ex["prompt"].endswith("=?\nA:")
-    nums, ops = hand_parse(ex["prompt"][3:-5])
-    answer = hand_value(nums, ops)
-    assert ex["ground_truth"] == str(answer) and ex["data_source"] == "arith"
-    *steps, last = ex["solution"][1:].split("\n")
-    assert last == f"#### {answer}"
-    assert len(steps) == len(ops)  # one step per operator
-    for step in steps:  # every step is a true equation "a op b=c"
-        lhs, rhs = step.split("=")
-        i = max(lhs.rfind(op) for op in "+-*")  # the operator (a leading digit is never an op here)
-        a, op, b = int(lhs[:i]), lhs[i], int(lhs[i + 1:])
-        assert int(rhs) == (a + b if op == "+" else a - b if op == "-" else a * b)
-    assert int(steps[-1].split("=")[1]) == answer
-
-
-def test_arith_is_deterministic_per_seed_and_differs_across_seeds():
-    a = make_arith_task(300, 60, seed=0)
-    assert a == make_arith_task(300, 60, seed=0)
-    b = make_arith_task(300, 60, seed=1)
-    assert [e["prompt"] for e in a[0]] != [e["prompt"] for e in b[0]]
-    assert [e["prompt"] for e in a[1]] != [e["prompt"] for e in b[1]]
-    # each split is its own stream: asking for more keeps the first ones
-    more = make_arith_task(500, 80, seed=0)
-    assert more[0][:300] == a[0] and more[1][:60] == a[1]
-
-
-def test_arith_splits_are_disjoint_even_across_seeds_and_in_a_tiny_problem_space():
-    tiny = ArithDifficulty(num_operands=2, max_operand=9, ops="+")  # only 100 problems exist
-    train0, val0 = make_arith_task(80, 8, seed=0, difficulty=tiny)
-    train1, _ = make_arith_task(80, 0, seed=1, difficulty=tiny)
-    val_prompts = {e["prompt"] for e in val0}
-    assert len(val_prompts) == 8 and len({e["prompt"] for e in train0}) == 80  # no repeats
-    assert not val_prompts & {e["prompt"] for e in train0 + train1}
-    train, val = make_arith_task(2000, 300, seed=3)
-    assert not {e["prompt"] for e in train} & {e["prompt"] for e in val}
-    with pytest.raises(UserError, match="cannot draw 95 train problems"):
-        make_arith_task(95, 0, seed=0, difficulty=tiny)
-    with pytest.raises(UserError, match="num_operands >= 2"):
-        make_arith_task(1, 1, seed=0, difficulty=ArithDifficulty(num_operands=1))
-
-
-@pytest.mark.parametrize("difficulty", [ArithDifficulty(), ArithDifficulty(4, 20, "+-*")])
-def test_arith_demonstrations_match_a_hand_parser(difficulty):
-    train, val = make_arith_task(400, 100, seed=7, difficulty=difficulty)
-    for ex in train + val:
-        check_demo(ex)
-    answers = [int(e["ground_truth"]) for e in train]
-    assert min(answers) < 0 < max(answers)  # negative answers do occur: "#### -5"
-    if "*" in difficulty.ops:
-        assert any("*" in e["prompt"] and "+" in e["prompt"] for e in train)
-
-
-def test_arith_default_responses_are_short_with_one_digit_per_token():
-    train, val = make_arith_task(2000, 200, seed=0)
-    tok = train_tokenizer(task_texts(train), vocab_size=300)
-    assert task_texts(train[:1]) == [train[0]["prompt"] + train[0]["solution"]]
-    lengths = [len(tok.encode_one(e["solution"])) for e in train + val]
-    prompt_lengths = [len(tok.encode_one(e["prompt"])) for e in train + val]
-    # worst case: 2+2 digits, intermediate and answer with up to 3 digits or a sign, written twice
-    assert max(lengths) <= 28 and sum(lengths) / len(lengths) < 25
-    assert max(prompt_lengths) <= 18
+def load_examples(paths, prompt_key="prompt", reward_fn_key="data_source"):
+    return read_examples(paths, lambda row, where: verl_row_to_example(row, where, prompt_key, reward_fn_key))
 
 
 # ---------------------------------------------------------------------------------------------
-# GSM8K files
+# Rows from files
 # ---------------------------------------------------------------------------------------------
-
-
-def test_gsm8k_test_file_loads_with_verl_preprocessing(gsm8k_dir):
-    examples = load_examples(gsm8k_dir / "test.jsonl")
-    raw = [json.loads(line) for line in open(gsm8k_dir / "test.jsonl", encoding="utf-8")]
-    assert len(examples) == len(raw) == 1319
-    for ex, row in zip(examples, raw):
-        assert ex["prompt"] == row["question"] + " " + GSM8K_INSTRUCTION
-        assert ex["ground_truth"] == row["answer"].split("####")[-1].strip().replace(",", "")
-        assert ex["data_source"] == "openai/gsm8k" and ex["solution"] == row["answer"]
-    assert examples[0]["ground_truth"] == "18"  # Janet's ducks: 16 - 3 - 4 = 9 eggs at $2
-    assert examples[0]["prompt"].endswith('farmers\' market? Let\'s think step by step and output '
-                                          'the final answer after "####".')
-    both = load_examples([gsm8k_dir / "test.jsonl", gsm8k_dir / "train.jsonl"])
-    assert len(both) == 1319 + 7473 and both[:1319] == examples
 
 
 def write(path, lines):
@@ -131,14 +27,15 @@ def write(path, lines):
     return path
 
 
-GOOD = json.dumps({"question": "What is 2+2?", "answer": "2+2=4\n#### 4"})
+GOOD = json.dumps({"prompt": "What is 2+2?", "data_source": "x", "reward_model": {"ground_truth": "4"}})
 
 
 @pytest.mark.parametrize("bad, message", [
     ('{"question": "x", "answer": ', "bad JSON"),
-    ('{"question": "What is 2+2?"}', "missing field 'answer'"),
-    ('{"question": 5, "answer": "#### 5"}', "field 'question' must be str, got int"),
-    ('{"question": "q", "answer": "no final answer"}', "no '#### <number>' final answer"),
+    ('{"prompt": 5, "data_source": "x", "reward_model": {"ground_truth": "1"}}',
+     "field 'prompt' must be str or list, got int"),
+    ('{"prompt": "q", "data_source": true, "reward_model": {"ground_truth": "1"}}',
+     "field 'data_source' must be str, got bool"),
     ('[1, 2]', "a row must be a JSON object"),
     ('{"prompt": "q", "data_source": "openai/gsm8k"}', "missing field 'reward_model'"),
     ('{"prompt": "q", "data_source": "x", "reward_model": {"style": "rule"}}', "missing field 'ground_truth'"),
@@ -253,7 +150,8 @@ def test_batches_are_a_pure_function_of_step_and_seed():
 @pytest.fixture(scope="module")
 def tok():
     train, _ = make_arith_task(500, 0, seed=0)
-    return train_tokenizer(task_texts(train) + ["Be brief. system user assistant"], vocab_size=300)
+    texts = [ex["prompt"] + ex["solution"] for ex in train]
+    return train_tokenizer(texts + ["Be brief. system user assistant"], vocab_size=300)
 
 
 def test_build_prompts_left_pads_and_round_trips(tok):

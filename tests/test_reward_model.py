@@ -37,6 +37,7 @@ from nanokl.supervised.reward_model import (RewardModel, bt_loss, collate, encod
                                  pairwise_accuracy, pl_loss, ranking_pairs, save_reward_model, score_with_rm,
                                  train_from_config, train_reward_model)
 from nanokl.harness.tokenizer import train_tokenizer
+from nanokl.tasks import arith
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -281,15 +282,15 @@ def test_ranking_rule_by_hand():
              " 17+4=21\n21-9=10\n#### 10",      # 5 another text with 2's key (1, 0, 25): dropped
              " 12",                             # 6 right number, not graded, short: (1, 1, 3)
              " #### 12"]                        # 7 correct by the rule, short: (0, 0, 8)
-    kept, ranking = rank_responses(texts, ex)
+    kept, ranking = rank_responses(texts, ex, arith.score)
     assert kept == [texts[i] for i in (0, 1, 2, 4, 6, 7)]
     assert [kept[i] for i in ranking] == [texts[i] for i in (7, 1, 2, 6, 4, 0)]
     # which key decides each implied pair, best-first pairs written out by hand:
     # (7,1) length; 7 and 1 beat the other four by the rule; 2 beats 6, 4, 0 by format; the rest by length
-    assert pair_kinds({**ex, "responses": kept, "ranking": ranking}) == \
+    assert pair_kinds({**ex, "responses": kept, "ranking": ranking}, arith.score) == \
         ["length"] + ["rule"] * 8 + ["format"] * 3 + ["length"] * 3
     # two responses with one key (a user's file may hold them): the pair is a tie, not a crash
-    assert pair_kinds({**ex, "responses": [texts[1], texts[1]], "ranking": [0, 1]}) == ["tie"]
+    assert pair_kinds({**ex, "responses": [texts[1], texts[1]], "ranking": [0, 1]}, arith.score) == ["tie"]
 
 
 def test_encoded_rankings_end_with_eos_only_where_the_response_ended():

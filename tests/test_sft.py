@@ -1,6 +1,8 @@
-"""nanokl.supervised.sft: the loss counts response tokens only, and a short run saves a usable checkpoint."""
+"""nanokl.supervised.sft: the loss counts response tokens only, a short run saves a usable checkpoint, and
+a task without demonstrations is refused."""
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,11 @@ import torch.nn.functional as F
 from nanokl.harness import hf_format as H
 from nanokl import model as M
 from nanokl.harness.config import load_config
-from nanokl.harness.data import make_arith_task, mix_answer_formats
-from nanokl.supervised.sft import encode_demos, sft_loss, train_sft
+from nanokl.harness.config_io import UserError
 from nanokl.harness.tokenizer import load_tokenizer, train_tokenizer
+from nanokl.supervised.sft import encode_demos, sft_loss, train_sft
+from nanokl.tasks import TASKS
+from nanokl.tasks.arith import make_arith_task
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,16 +43,6 @@ def test_loss_is_cross_entropy_of_response_tokens_only():
     assert abs(got - total / count) < 1e-5
 
 
-def test_answer_format_mix_is_seeded_and_only_changes_the_final_line():
-    train, _ = make_arith_task(400, 0, seed=0)
-    mixed = mix_answer_formats(train, 0.7, seed=3)
-    assert mixed == mix_answer_formats(train, 0.7, seed=3)
-    alt = [m for m in mixed if "\nAnswer: " in m["solution"]]
-    assert 0.6 < len(alt) / len(mixed) < 0.8
-    for before, after in zip(train, mixed):
-        assert after["solution"].replace("\nAnswer: ", "\n#### ") == before["solution"]
-
-
 def test_short_run_saves_a_checkpoint_transformers_loads(tmp_path):
     cfg = load_config(ROOT / "configs" / "arith_tiny.yaml",
                       ["sft.steps=5", "sft.num_examples=200", "data.num_val=8", "sft.hidden_size=32",
@@ -64,3 +58,10 @@ def test_short_run_saves_a_checkpoint_transformers_loads(tmp_path):
     ids = torch.tensor([tok.encode_one("Q: 1+2-3=?\nA:")])
     with torch.no_grad():
         assert (hf(ids).logits - ours(ids)).abs().max() < 1e-4
+
+
+def test_a_task_without_demonstrations_cannot_be_warm_started(tmp_path, monkeypatch):
+    monkeypatch.setitem(TASKS, "nodemo", types.SimpleNamespace(examples=None, score=None, demonstrations=None))
+    cfg = load_config(ROOT / "configs" / "arith_tiny.yaml", ["data.task=nodemo", f"sft.output_dir={tmp_path}"])
+    with pytest.raises(UserError, match="data.task=nodemo has no demonstrations"):
+        train_sft(cfg, progress=False)

@@ -1,58 +1,37 @@
-"""Prompt datasets: a built-in arithmetic task, GSM8K from JSONL/Parquet, and resumable batches.
+"""Prompt data: rows from JSONL/Parquet files, resumable batches, prompts as token ids.
 
-What PPO needs from data is small: a list of prompts, each with what the reward function must
-know to score a response (`ground_truth`, and `data_source` naming which scorer to use; see
-nanokl/reward.py). Every loader here returns the same plain shape, a list of dicts:
+What PPO needs from data is small: a list of prompts, each with what the task's rule must know
+to score a response. Every task (nanokl/tasks/) returns the same plain shape, a list of dicts:
 
     {"prompt": str, "ground_truth": str, "data_source": str, "solution": str (optional),
      "system_prompt": str (optional)}
 
-1. The synthetic task (`make_arith_task`). A CPU run needs a task a 2-layer model can learn in
-   minutes, whose answers a rule can check: short arithmetic with a chain of thought of one
-   step per operation, written one digit per token (see nanokl/harness/tokenizer.py),
+This module holds what does not depend on the task:
 
-       prompt    "Q: 37+48-12=?\\nA:"
-       solution  " 37+48=85\\n85-12=73\\n#### 73"
+1. Rows from files (`read_rows`, `read_examples`). A file is JSONL, a JSON array or Parquet; a
+   task turns each row into an example. verl's preprocessing writes one common row shape,
+   `{"data_source", "prompt": [{"role": "user", "content"}] or str, "reward_model":
+   {"ground_truth"}}`, which `verl_row_to_example` reads for any task (data.prompt_key and
+   data.reward_fn_key rename the two fields). A chat prompt may start with one system message
+   (kept as `system_prompt`); anything longer is not a single-turn prompt and is refused. A bad
+   row is a `DataError` naming `file:line` (Parquet: `file:row i`, 0-based as pyarrow counts),
+   so the user fixes the data instead of reading a traceback.
 
-   `solution` is the demonstration the SFT warm start imitates; it ends in GSM8K's `#### N`
-   form so one strict scorer reads both tasks. Steps are one per line and without spaces
-   because every character costs a token here: the default difficulty (3 operands in 0..99,
-   + and -) gives prompts of 12-15 tokens and responses of 16-27 (mean 24), before the EOS. `ArithDifficulty` is the knob for whoever tunes
-   PPO: more operands, a wider range or `*` (ordinary precedence: products first) make the
-   warm-started policy less accurate. Train and validation are disjoint *by construction*: a
-   problem goes to validation iff a hash of its text says so (1 problem in 8), whatever the
-   seed or the counts, so no training set of any seed or size (SFT's included) ever contains
-   a validation prompt. Each split is then sampled without repeats from its side of the hash,
-   from its own seeded stream, so the first 100 training examples are the same whether one
-   asks for 100 or 10000.
-
-2. GSM8K (Cobbe et al. 2021) from files, as verl's `examples/data_preprocess/gsm8k.py`
-   prepares it: the prompt is the question followed by
-   ` Let's think step by step and output the final answer after "####".`, the ground truth is
-   the text after `#### ` in the reference answer with commas removed, and the data_source is
-   "openai/gsm8k". `load_examples` reads raw rows `{"question", "answer"}` and also the rows
-   that verl's preprocessing writes, `{"data_source", "prompt": [{"role": "user", "content"}]
-   or str, "reward_model": {"ground_truth"}}`. A chat prompt may start with one system
-   message (kept as `system_prompt`); anything longer is not a single-turn prompt and is
-   refused. A bad row is a `UserError` naming `file:line` (Parquet: `file:row i`, 0-based as
-   pyarrow counts), so the user fixes the data instead of reading a traceback.
-
-3. Batches with exact resume (`batch_indices`). The batch of global step `s` is a pure
+2. Batches with exact resume (`batch_indices`). The batch of global step `s` is a pure
    function of (s, seed): epoch e = s // steps_per_epoch shuffles with seed + e, and the step
    takes its slice of that permutation. No sampler state to checkpoint: resuming at step k
-   needs only k, and two ranks that agree on (k, seed) agree on the batch.
+   needs only k, and two ranks that agree on (k, seed) agree on the batch. (How a batch is
+   then cut into micro-batches by token budget, or packed, is nanokl/batching.py.)
 
-Not here yet: token-budget micro-batching and sequence packing (a later issue adds them).
+3. Prompts -> token ids (`build_prompts`): each example's prompt in data.prompt_template,
+   left-padded, so every row's response starts at the same position.
 
-tests/test_data.py checks: the task is deterministic per seed and its splits are disjoint;
-every demonstration's answer equals one recomputed by a hand parser in the test (no eval);
-GSM8K's test file loads to 1319 prompts with verl's instruction; bad rows name file and line;
-batches cover each index once per epoch; templated prompts round-trip through the tokenizer.
+tests/test_data.py checks: verl rows (JSONL, JSON array, Parquet, renamed keys) parse; bad rows
+name file and line; batches cover each index once per epoch and are a pure function of the
+step; templated prompts round-trip through the tokenizer; filter_overlong keeps exactly what fits.
 """
 
-import dataclasses
 import functools
-import hashlib
 import json
 import random
 from pathlib import Path
@@ -60,121 +39,16 @@ from pathlib import Path
 from nanokl.harness.config_io import UserError
 from nanokl.harness.tokenizer import apply_template
 
-GSM8K_SOURCE = "openai/gsm8k"
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-
-
 # ---------------------------------------------------------------------------------------------
-# 1. The built-in arithmetic task
-# ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ArithDifficulty:
-    num_operands: int = 3  # numbers in one problem (one reasoning step per operator)
-    max_operand: int = 99  # operands are drawn uniformly from 0..max_operand
-    ops: str = "+-"  # operators to draw from, any of "+-*"; "*" binds tighter, as usual
-
-
-VAL_SHARE = 8  # one problem in VAL_SHARE belongs to the validation side of the hash
-
-
-def _is_val_problem(expr: str) -> bool:
-    # sha256, not hash(): Python salts str hashes per process, and the split must never move
-    return hashlib.sha256(expr.encode()).digest()[0] % VAL_SHARE == 0
-
-
-def _apply(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a - b if op == "-" else a * b
-
-
-def _solve(nums: list[int], ops: list[str]) -> tuple[list[str], int]:
-    """The demonstration's steps "a op b=c", one per operator: products first, then left to right."""
-    nums, ops, steps = list(nums), list(ops), []
-    for wanted in ("*", "+-"):  # two passes: precedence without a parser
-        i = 0
-        while i < len(ops):
-            if ops[i] in wanted:
-                c = _apply(nums[i], ops[i], nums[i + 1])
-                steps.append(f"{nums[i]}{ops[i]}{nums[i + 1]}={c}")
-                nums[i:i + 2], ops[i:i + 1] = [c], []
-            else:
-                i += 1
-    return steps, nums[0]
-
-
-def _arith_example(nums, ops) -> dict:
-    expr = str(nums[0]) + "".join(f"{op}{n}" for op, n in zip(ops, nums[1:]))
-    steps, answer = _solve(nums, ops)
-    return {"prompt": f"Q: {expr}=?\nA:", "ground_truth": str(answer), "data_source": "arith",
-            "solution": " " + "\n".join(steps) + f"\n#### {answer}"}
-
-
-def make_arith_task(num_train: int, num_val: int, seed: int,
-                    difficulty: ArithDifficulty = ArithDifficulty()) -> tuple[list[dict], list[dict]]:
-    """(train, val) example lists of the synthetic task; see the module docstring."""
-    d = difficulty
-    if d.num_operands < 2 or d.max_operand < 1 or not d.ops or set(d.ops) - set("+-*"):
-        raise UserError(f"bad arithmetic difficulty {d}: need num_operands >= 2, max_operand >= 1 "
-                        "and ops drawn from '+-*'")
-    if num_train < 0 or num_val < 0:
-        raise UserError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
-    ops = sorted(set(d.ops))
-    distinct = (d.max_operand + 1) ** d.num_operands * len(ops) ** (d.num_operands - 1)
-
-    def sample(split: str, n: int, want_val: bool) -> list[dict]:
-        # a string seed: random.Random hashes it with sha512, stable across runs and machines
-        rng, seen, out = random.Random(f"arith/{split}/{seed}"), set(), []
-        for _ in range(50 * n + 10_000):  # rejection sampling; the cap turns a too-small space into an error
-            if len(out) == n:
-                return out
-            nums = [rng.randint(0, d.max_operand) for _ in range(d.num_operands)]
-            picked = [rng.choice(ops) for _ in range(d.num_operands - 1)]
-            ex = _arith_example(nums, picked)
-            if ex["prompt"] not in seen and _is_val_problem(ex["prompt"]) == want_val:
-                seen.add(ex["prompt"])
-                out.append(ex)
-        if len(out) == n:
-            return out
-        raise UserError(f"arithmetic difficulty {d} has about {distinct // VAL_SHARE} distinct validation "
-                        f"and {distinct - distinct // VAL_SHARE} training problems; cannot draw {n} "
-                        f"{split} problems without repeats (ask for fewer or raise the difficulty)")
-
-    return sample("train", num_train, False), sample("val", num_val, True)
-
-
-def arith_difficulty(data_cfg) -> ArithDifficulty:
-    """The difficulty the config's `data.arith_*` keys describe."""
-    return ArithDifficulty(data_cfg.arith_num_operands, data_cfg.arith_max_operand, data_cfg.arith_ops)
-
-
-def mix_answer_formats(examples, share: float, seed: int) -> list[dict]:
-    """Copies of the examples in which a `share` of the demonstrations (chosen with `seed`) end
-    with "Answer: N" instead of "#### N": two teachers who agree on the arithmetic but not on the
-    format. The graders (nanokl/reward.py) read only "#### N", so a policy that imitates the
-    majority "Answer:" teacher scores nothing until RL finds out which format is rewarded."""
-    rng = random.Random(f"formats/{seed}")
-    out = []
-    for ex in examples:
-        if rng.random() < share:
-            ex = {**ex, "solution": ex["solution"].replace("\n#### ", "\nAnswer: ")}
-        out.append(ex)
-    return out
-
-
-def task_texts(examples) -> list[str]:
-    """prompt + solution of each example: the text the tokenizer and the SFT warm start learn from."""
-    return [ex["prompt"] + ex["solution"] for ex in examples]
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Examples from files: GSM8K raw rows and verl-style rows, JSONL or Parquet
+# 1. Rows from files: JSONL, a JSON array or Parquet; verl-style rows
 # ---------------------------------------------------------------------------------------------
 
 class DataError(UserError):
     """A malformed data file or row; the message starts with `file:line` (or `file:row i`)."""
 
 
-def _field(row: dict, name: str, types, where: str):
+def row_field(row: dict, name: str, types, where: str):
+    """row[name], or a DataError naming `where` when it is missing or not of `types`."""
     if name not in row:
         raise DataError(f"{where}: missing field {name!r}")
     value = row[name]
@@ -197,25 +71,17 @@ def _chat_prompt(messages: list, where: str) -> tuple[str, str | None]:
                     f"one system message; got roles {roles if ok else 'malformed messages'}")
 
 
-def row_to_example(row, where: str, prompt_key: str = "prompt", reward_fn_key: str = "data_source") -> dict:
-    """One raw GSM8K row or one verl-style row -> an example dict (or a DataError naming `where`)."""
+def verl_row_to_example(row, where: str, prompt_key: str = "prompt", reward_fn_key: str = "data_source") -> dict:
+    """One verl-style row -> an example dict (or a DataError naming `where`)."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    if prompt_key not in row and ("question" in row or "answer" in row):  # raw GSM8K
-        question = _field(row, "question", str, where)
-        answer = _field(row, "answer", str, where)
-        if "#### " not in answer:
-            raise DataError(f"{where}: field 'answer' has no '#### <number>' final answer")
-        truth = answer.rsplit("#### ", 1)[1].strip().replace(",", "")
-        return {"prompt": question + " " + GSM8K_INSTRUCTION, "ground_truth": truth,
-                "data_source": GSM8K_SOURCE, "solution": answer}
-    prompt = _field(row, prompt_key, (str, list), where)
+    prompt = row_field(row, prompt_key, (str, list), where)
     system = None
     if isinstance(prompt, list):
         prompt, system = _chat_prompt(prompt, where)
-    source = _field(row, reward_fn_key, str, where)
-    reward = _field(row, "reward_model", dict, where)
-    truth = _field(reward, "ground_truth", (str, int), f"{where}: reward_model")
+    source = row_field(row, reward_fn_key, str, where)
+    reward = row_field(row, "reward_model", dict, where)
+    truth = row_field(reward, "ground_truth", (str, int), f"{where}: reward_model")
     ex = {"prompt": prompt, "ground_truth": str(truth), "data_source": source}
     if system is not None:
         ex["system_prompt"] = system
@@ -258,22 +124,23 @@ def read_rows(path: Path):
         raise UserError(f"{path}: unknown data file type {suffix!r} (use .jsonl, .json or .parquet)")
 
 
-def load_examples(path_or_paths, prompt_key: str = "prompt", reward_fn_key: str = "data_source") -> list[dict]:
-    """All examples of one file or a list of files, in order (GSM8K raw or verl-style rows)."""
+def read_examples(path_or_paths, to_example) -> list[dict]:
+    """All examples of one file or a list of files, in order: `to_example(row, where)` per row
+    (a task's row reader, e.g. verl_row_to_example)."""
     paths = [path_or_paths] if isinstance(path_or_paths, (str, Path)) else list(path_or_paths)
     examples = []
     for p in map(Path, paths):
         if not p.is_file():
             raise UserError(f"data file not found: {p}")
         before = len(examples)
-        examples += [row_to_example(row, where, prompt_key, reward_fn_key) for where, row in read_rows(p)]
+        examples += [to_example(row, where) for where, row in read_rows(p)]
         if len(examples) == before:
             raise DataError(f"{p}: no examples in the file")
     return examples
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Stateless batches: the indices of global step `step`
+# 2. Stateless batches: the indices of global step `step`
 # ---------------------------------------------------------------------------------------------
 
 def steps_per_epoch(num_examples: int, batch_size: int, drop_last: bool = True) -> int:
@@ -305,7 +172,7 @@ def batch_indices(num_examples: int, batch_size: int, step: int, seed: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Prompts -> token ids
+# 3. Prompts -> token ids
 # ---------------------------------------------------------------------------------------------
 
 def _templated(ex: dict, template: str, system_prompt):

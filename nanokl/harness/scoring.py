@@ -1,27 +1,51 @@
 """Scoring a step's rollouts and the held-out set: the rule, the learned reward model, accuracy.
 
-Training reward. Each response is decoded and judged by the task's rule (nanokl/reward.py: the
-arithmetic task's answer check, or GSM8K's strict / flexible `#### N` match). With
-`reward_model.enable` a learned reward model scores the same `[prompt | response]` token sequences
-instead (nanokl/supervised/reward_model.py, normalised to mean 0 and std 1 on reference-policy samples), and
-the rule's verdict is still computed and logged (`critic/rule_score/*`): the learned reward is a
-proxy, and a rising RM score with a flat or falling rule score is reward hacking made visible
-(Gao et al. 2023). Either way the scalar sits on the response's last real token, where PPO's
-per-token reward r_t = score_t - beta * KL_t adds it (verl's token_level_scores), minus
-`missing_eos_penalty` for a response cut off before its EOS.
+Training reward. Each response is decoded and judged by the rule of the task data.task names
+(its `score`, nanokl/tasks/: the arithmetic answer check, GSM8K's strict / flexible `#### N`
+match). With `reward_model.enable` a learned reward model scores the same `[prompt | response]`
+token sequences instead (nanokl/supervised/reward_model.py, normalised to mean 0 and std 1 on
+reference-policy samples), and the rule's verdict is still computed and logged
+(`critic/rule_score/*`): the learned reward is a proxy, and a rising RM score with a flat or
+falling rule score is reward hacking made visible (Gao et al. 2023).
+
+Either way one scalar per response becomes the `[N, R]` tensor PPO adds the KL penalty to
+(`token_level_scores`, verl's name): the score sits on the last real response token (position
+sum(mask) - 1; responses are right-padded, so the real tokens come first) and 0 elsewhere, so
+GAE credits the whole response through its discounted returns, where the per-token reward is
+r_t = score_t - beta * KL_t. A response cut off by the length limit before its EOS gets
+`missing_eos_penalty` subtracted (TRL's `missing_eos_penalty`): without it, a policy can learn
+that rambling is safe.
 
 Validation always uses the rule (`val-core/<data_source>/acc/mean@n`, greedy by default): it is
 the ground truth the reward model is trying to learn. Under torchrun rank r takes every W-th
 held-out prompt and the sums are all-reduced, so the accuracy is over the whole held-out set.
+
+tests/test_scoring.py checks: `token_level_scores` equals a hand-written loop, and
+reward_model.max_length keeps each row's last real tokens.
 """
 
 import torch
 
 from nanokl import dist
 from nanokl.harness.data import build_prompts
-from nanokl.reward import score_response, token_level_scores
-from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
 from nanokl.rollout import generate
+from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
+from nanokl.tasks import get_task
+
+
+def token_level_scores(scores, response_mask: torch.Tensor, missing_eos=None,
+                       missing_eos_penalty: float = 0.0) -> torch.Tensor:
+    """[N, R] float tensor: score_i (minus the penalty if row i has no EOS) at its last real token."""
+    mask = response_mask.bool()
+    scores = torch.as_tensor(scores, dtype=torch.float32, device=mask.device).clone()
+    if missing_eos is not None:
+        missing = torch.as_tensor(missing_eos, dtype=torch.bool, device=mask.device)
+        scores = scores - missing_eos_penalty * missing.float()
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    last = mask.sum(-1) - 1  # -1 for an empty response: it has no token to carry a score
+    rows = (last >= 0).nonzero(as_tuple=True)[0]
+    out[rows, last[rows]] = scores[rows]
+    return out
 
 
 def score_batch(tok, out, examples, cfg, rm=None):
@@ -29,8 +53,9 @@ def score_batch(tok, out, examples, cfg, rm=None):
     score is the reward instead, and the rule score is kept to be logged beside it (a growing gap
     between the two is reward hacking). Each score sits on its response's last token.
     Returns (token-level scores, reward per response, rule score per response)."""
+    score = get_task(cfg.data.task).score
     texts = tok.batch_decode(out.responses, out.response_mask)
-    rule = torch.tensor([score_response(t, ex, cfg.reward_model.score_method) for t, ex in zip(texts, examples)])
+    rule = torch.tensor([score(t, ex, cfg.reward_model.score_method) for t, ex in zip(texts, examples)])
     scores = rule
     if rm is not None:
         mask = keep_last_tokens(out.attention_mask, cfg.reward_model.max_length)
@@ -48,6 +73,7 @@ def validate(model, tok, val, cfg, device):
     """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n.
     Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks."""
     d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
+    score = get_task(d.task).score
     sources = sorted({ex["data_source"] for ex in val})
     totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) per source, then response lengths
     mine = val[dist.rank()::dist.world()]
@@ -61,7 +87,8 @@ def validate(model, tok, val, cfg, device):
         texts = tok.batch_decode(out.responses, out.response_mask)
         for j, text in enumerate(texts):
             ex = chunk[j // vk.n]
-            totals[sources.index(ex["data_source"])] += torch.tensor([score_response(text, ex, cfg.reward_model.score_method), 1.0])
+            hit = score(text, ex, cfg.reward_model.score_method)
+            totals[sources.index(ex["data_source"])] += torch.tensor([hit, 1.0])
         totals[-1] += torch.tensor([out.response_mask.sum().item(), float(len(texts))])
     totals = dist.all_reduce(totals)
     metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}

@@ -17,11 +17,13 @@ into `responses=[chosen, rejected], ranking=[0, 1]`, so downstream code knows on
 Other fields are kept for the reader and ignored by training. A malformed row is a `UserError`
 naming `file:line` and what is wrong with it.
 
-The synthetic preference (`build_preference_data`). For the built-in arithmetic task we sample
-n = 4 responses per prompt from the warm-started policy at the rollout temperature and rank them
-by a preference the reward model must discover from the rankings alone:
+The synthetic preference (`build_preference_data`). For the task data.task names (the
+arithmetic one by default) we sample n = 4 responses per prompt from the warm-started policy at
+the rollout temperature and rank them by a preference the reward model must discover from the
+rankings alone:
 
-    1. correct by the rule first (`score_response`, strict: the last "#### N" equals the truth);
+    1. correct by the task's rule first (its `score`, strict: for arithmetic, the last "#### N"
+       equals the truth);
     2. then graded format: a response ending "#### N" (wrong N) before one the rule cannot read
        ("Answer: N", or no number), since an answer in the graded format can at least be checked;
     3. then shorter (characters).
@@ -37,24 +39,31 @@ A ranking is a strict order, so responses the preference cannot tell apart (the 
 often the very same text, which a confident policy samples often) keep only their first copy;
 a prompt left with fewer than two distinct responses gives no comparison and is skipped. The
 held-out split is by prompt: validation rankings come from the task's validation problems,
-which no training prompt ever equals (nanokl/harness/data.py splits the problem space by a hash).
+which no training prompt equals (the arithmetic task splits its problem space by a hash).
 
 tests/test_reward_model.py checks the ranking rule on hand-written responses and that every
 kind of bad row names its file and line.
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import torch
 
+from nanokl.harness.config import DataConfig
 from nanokl.harness.config_io import UserError
-from nanokl.harness.data import ArithDifficulty, build_prompts, make_arith_task, read_rows
+from nanokl.harness.data import build_prompts, read_rows
 from nanokl.harness.hf_format import from_pretrained
-from nanokl.reward import extract_gsm8k_answer, score_response
-from nanokl.rollout import generate
 from nanokl.harness.tokenizer import load_tokenizer
+from nanokl.rollout import generate
+from nanokl.tasks import get_task
+
+# The graded format is the labeller's taste, not a task's: a final "#### N" in the last 300
+# characters (the form both built-in rules read; see nanokl/tasks/).
+_GRADED = re.compile(r"#### (-?[0-9.,]+)")
+_GRADED_TAIL = 300
 
 
 def _row(obj, where: str) -> dict:
@@ -105,27 +114,27 @@ def write_preferences(rows, path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def preference_key(text: str, example: dict) -> tuple:
-    """Sort key of a response, smaller is better: (wrong by the rule, not in the graded "#### N"
-    format, length in characters). See the module docstring."""
-    correct = score_response(text, example, "strict") == 1.0
-    graded = extract_gsm8k_answer(text, "strict") is not None
+def preference_key(text: str, example: dict, score) -> tuple:
+    """Sort key of a response, smaller is better: (wrong by the rule `score`, the task's, not in
+    the graded "#### N" format, length in characters). See the module docstring."""
+    correct = score(text, example, "strict") == 1.0
+    graded = _GRADED.search(text[-_GRADED_TAIL:]) is not None
     return (0 if correct else 1, 0 if graded else 1, len(text))
 
 
-def pair_kinds(row) -> list[str]:
+def pair_kinds(row, score) -> list[str]:
     """For a built row (it keeps ground_truth and data_source): which part of the preference
     decides each implied pair, in ranking_pairs order: "rule", "format" or "length"."""
-    keys = [preference_key(t, row) for t in row["responses"]]
+    keys = [preference_key(t, row, score) for t in row["responses"]]
     rk = row["ranking"]
     names = ("rule", "format", "length")
     return [next((names[k] for k in range(3) if keys[rk[i]][k] != keys[rk[j]][k]), "tie")
             for i in range(len(rk)) for j in range(i + 1, len(rk))]
 
 
-def rank_responses(texts: list[str], example: dict) -> tuple[list[str], list[int]]:
+def rank_responses(texts: list[str], example: dict, score) -> tuple[list[str], list[int]]:
     """(kept responses in sampling order, ranking of them best first); one response per distinct key."""
-    keys = [preference_key(t, example) for t in texts]
+    keys = [preference_key(t, example, score) for t in texts]
     first = {}
     for i, k in enumerate(keys):
         first.setdefault(k, i)
@@ -156,14 +165,17 @@ def sample_responses(policy, tok, examples, n, max_new_tokens, temperature=1.0, 
 
 
 def build_preference_data(policy_dir, out_path, num_prompts, n=4, seed=0, val_out_path=None, num_val_prompts=0,
-                          difficulty=ArithDifficulty(), template="plain", max_new_tokens=32, temperature=1.0,
+                          data=None, template="plain", max_new_tokens=32, temperature=1.0,
                           batch_size=256, device=None) -> dict:
-    """Sample n responses per arithmetic prompt from the policy, rank them by the synthetic
+    """Sample n responses per prompt of the task (`data`: the config's data section, which names
+    the task and holds its knobs; None: the defaults) from the policy, rank them by the synthetic
     preference, write the ranking JSONL (train to `out_path`, held-out prompts to `val_out_path`).
     Returns counts: rows written and prompts skipped (fewer than two distinct responses) per split."""
+    data = DataConfig() if data is None else data
+    task = get_task(data.task)
     policy = from_pretrained(policy_dir, device=device).eval()
     tok = load_tokenizer(policy_dir)
-    train, val = make_arith_task(num_prompts, num_val_prompts if val_out_path else 0, seed=seed, difficulty=difficulty)
+    train, val = task.examples(data, num_prompts, num_val_prompts if val_out_path else 0, seed=seed)
     stats = {}
     for name, examples, path in (("train", train, out_path), ("val", val, val_out_path)):
         if path is None or not examples:  # no held-out split asked for (num_val_prompts = 0)
@@ -172,7 +184,7 @@ def build_preference_data(policy_dir, out_path, num_prompts, n=4, seed=0, val_ou
                                         seed=seed + (name == "val"))
         rows = []
         for i, ex in enumerate(examples):
-            responses, ranking = rank_responses(texts[i * n:(i + 1) * n], ex)
+            responses, ranking = rank_responses(texts[i * n:(i + 1) * n], ex, task.score)
             first_ended = {}  # rank_responses keeps the first of equal texts: take its EOS flag
             for t, e in zip(texts[i * n:(i + 1) * n], ended[i * n:(i + 1) * n]):
                 first_ended.setdefault(t, e)

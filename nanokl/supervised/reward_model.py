@@ -69,14 +69,14 @@ from tqdm import tqdm
 from nanokl import dist
 from nanokl.harness.config import ConfigError, parse_cli, run_cli
 from nanokl.harness.config_io import UserError
-from nanokl.harness.data import arith_difficulty, build_prompts, load_examples, make_arith_task
+from nanokl.harness.data import build_prompts
 from nanokl.harness.hf_format import CheckpointError, from_pretrained, load_scalar_head, read_config, save_pretrained
 from nanokl.model import Decoder, ModelConfig
 from nanokl.supervised.preference_data import build_preference_data, pair_kinds, read_preferences
-from nanokl.reward import RULE_SOURCES
 from nanokl.rollout import generate
 from nanokl.supervised.sft import adamw_cosine
 from nanokl.harness.tokenizer import apply_template, load_tokenizer, right_pad
+from nanokl.tasks import get_task
 
 NORM_FILE = "reward_normalization.json"
 
@@ -239,7 +239,7 @@ def keep_last_tokens(attention_mask, max_length=None):
 
 def score_with_rm(rm, sequences, attention_mask, micro_batch_size=None) -> torch.Tensor:
     """[N] normalised rewards (r - mean) / std of the rollout's [prompt | response] sequences; PPO
-    puts each on its response's last token (reward.token_level_scores)."""
+    puts each on its response's last token (harness/scoring.token_level_scores)."""
     return (raw_rewards(rm, sequences, attention_mask, micro_batch_size) - rm.reward_mean) / rm.reward_std
 
 
@@ -291,6 +291,7 @@ def reference_samples(policy, tok, examples, max_new_tokens, temperature=1.0, te
 def train_from_config(cfg, progress=True) -> dict:
     """What `python -m nanokl.supervised.reward_model` does; returns the metrics it also writes to rm_metrics.json."""
     rc, t, d = cfg.reward_model, cfg.reward_model.train, cfg.data  # sizes and rates: checked by config_rules
+    task = get_task(d.task)
     if not rc.model.path or not t.data_path:
         raise ConfigError("set reward_model.model.path (where the RM is saved) and reward_model.train.data_path")
     policy_dir = cfg.actor_rollout_ref.model.path
@@ -301,7 +302,7 @@ def train_from_config(cfg, progress=True) -> dict:
     t0 = time.perf_counter()
     if not Path(t.data_path).is_file():
         build_preference_data(policy_dir, t.data_path, t.num_prompts, t.n, t.seed, t.val_data_path,
-                              t.num_val_prompts, arith_difficulty(d), d.prompt_template, d.max_response_length,
+                              t.num_val_prompts, d, d.prompt_template, d.max_response_length,
                               temperature, device=device)
     t_data = time.perf_counter() - t0
     tok = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path)
@@ -316,8 +317,7 @@ def train_from_config(cfg, progress=True) -> dict:
     # Normalise on the reference policy's samples of PPO's own training prompts, scored as PPO
     # will score them (each row's last reward_model.max_length tokens); then save, before anything
     # else can fail.
-    examples = (load_examples(d.train_files, d.prompt_key, d.reward_fn_key)[:t.norm_samples] if d.train_files
-                else make_arith_task(t.norm_samples, 0, seed=d.seed, difficulty=arith_difficulty(d))[0])
+    examples = task.examples(d, num_train=t.norm_samples, num_val=0, seed=d.seed)[0]
     policy = from_pretrained(policy_dir, device=device).eval()
     seqs, mask = reference_samples(policy, tok, examples, d.max_response_length, temperature, d.prompt_template,
                                    t.seed)
@@ -325,13 +325,14 @@ def train_from_config(cfg, progress=True) -> dict:
     save_reward_model(rm, rc.model.path, tok, {"num_samples": len(examples), "temperature": temperature,
                                                 "policy": str(policy_dir)})
 
-    # Held-out pairwise accuracy, and (rows the rule can judge) on the pairs each part of the preference decides.
+    # Held-out pairwise accuracy, and on the pairs each part of the preference decides, where the
+    # task's rule can judge the rows (build_preference_data's keep their ground_truth and data_source).
     outcomes = pair_outcomes(rm, val_items, tok.pad_token_id)
     metrics = {"val_pairwise_acc": sum(outcomes) / len(outcomes) if outcomes else None,
                "train_pairwise_acc": pairwise_accuracy(rm, train_items[:len(val_items) or 256], tok.pad_token_id)}
     by_kind = {}
-    if val_items and all(r.get("data_source") in RULE_SOURCES and "ground_truth" in r for r in val_rows):
-        for kind, ok in zip((k for r in val_rows for k in pair_kinds(r)), outcomes):
+    if val_items and all("data_source" in r and "ground_truth" in r for r in val_rows):
+        for kind, ok in zip((k for r in val_rows for k in pair_kinds(r, task.score)), outcomes):
             by_kind.setdefault(kind, []).append(ok)
     metrics.update({f"val_pairwise_acc/{k}": sum(v) / len(v) for k, v in by_kind.items()})
     metrics.update({f"val_pairs/{k}": len(v) for k, v in by_kind.items()})

@@ -6,15 +6,17 @@ RLHF never starts from scratch: a pretrained model is first fine-tuned on demons
 (supervised fine-tuning, SFT), and that SFT model becomes both PPO's initial policy and its
 reference π_ref, the anchor of the KL penalty (Ouyang et al. 2022, InstructGPT; Ziegler et al.
 2019). For the CPU course we have no pretrained model, so this file makes one: it trains a small
-byte-level BPE tokenizer on the synthetic task's texts (nanokl/harness/tokenizer.py) and a tiny
-Qwen2-shaped decoder on its demonstrations (nanokl/harness/data.py), then saves both in Hugging Face
-format, a directory that `transformers`, generate.py and train_ppo.py all load.
+byte-level BPE tokenizer on the task's demonstrations (nanokl/harness/tokenizer.py) and a tiny
+Qwen2-shaped decoder on them, then saves both in Hugging Face format, a directory that
+`transformers`, generate.py and train_ppo.py all load. The demonstrations are the task's
+(data.task, nanokl/tasks/: `demonstrations`), drawn with seed trainer.seed; a task without any
+cannot be warm-started here.
 
 The loss is next-token cross-entropy on the *response* only (solution + EOS): the prompt is
 given, not imitated, exactly as in verl's SFT trainer. With `sft.steps` kept short the model
-learns the format (chain of thought, `#### N`, EOS) and much of the arithmetic but stays clearly
-imperfect, which leaves PPO something to improve; the held-out greedy accuracy it reaches is
-printed and saved in `sft_metrics.json`.
+learns the format of the arithmetic task (chain of thought, `#### N`, EOS) and much of the
+arithmetic but stays clearly imperfect, which leaves PPO something to improve; the held-out
+greedy accuracy it reaches (by the task's rule) is printed and saved in `sft_metrics.json`.
 
     python -m nanokl.supervised.sft                       # the default config (configs/arith_tiny.yaml)
     python -m nanokl.supervised.sft --config C.yaml sft.steps=300
@@ -35,12 +37,18 @@ from tqdm import tqdm
 
 from nanokl import dist
 from nanokl.harness.config import parse_cli, run_cli
-from nanokl.harness.data import arith_difficulty, build_prompts, make_arith_task, mix_answer_formats, task_texts
+from nanokl.harness.config_io import UserError
+from nanokl.harness.data import build_prompts
 from nanokl.harness.hf_format import save_pretrained
-from nanokl.model import CausalLM, ModelConfig, init_weights
-from nanokl.reward import score_response
-from nanokl.rollout import generate
 from nanokl.harness.tokenizer import apply_template, right_pad, train_tokenizer
+from nanokl.model import CausalLM, ModelConfig, init_weights
+from nanokl.rollout import generate
+from nanokl.tasks import get_task
+
+
+def demo_texts(examples) -> list[str]:
+    """prompt + solution of each demonstration: the text the tokenizer learns from."""
+    return [ex["prompt"] + ex["solution"] for ex in examples]
 
 
 def encode_demos(examples, tok, template):
@@ -64,8 +72,8 @@ def sft_loss(model, ids, attn, loss_mask):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tok, examples, template, max_new_tokens, batch_size=256):
-    """Share of examples whose greedy response scores 1 under the task's rule."""
+def greedy_accuracy(model, tok, examples, score, template, max_new_tokens, batch_size=256):
+    """Share of examples whose greedy response scores 1 under the task's rule `score`."""
     model.eval()
     hits = 0.0
     for i in range(0, len(examples), batch_size):
@@ -74,7 +82,7 @@ def greedy_accuracy(model, tok, examples, template, max_new_tokens, batch_size=2
         out = generate(model, ids, mask, max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_ids,
                        pad_token_id=tok.pad_token_id)
         texts = tok.batch_decode(out.responses, out.response_mask)
-        hits += sum(score_response(t, ex) for t, ex in zip(texts, chunk))
+        hits += sum(score(t, ex) for t, ex in zip(texts, chunk))
     model.train()
     return hits / max(len(examples), 1)
 
@@ -90,13 +98,17 @@ def adamw_cosine(model, lr, steps):
 
 
 def train_sft(cfg, progress=True) -> Path:
-    """Train tokenizer + tiny model on the built-in task's demonstrations; save to sft.output_dir."""
+    """Train tokenizer + tiny model on the task's demonstrations; save to sft.output_dir."""
     s, d = cfg.sft, cfg.data
+    task = get_task(d.task)
+    if task.demonstrations is None:
+        raise UserError(f"data.task={d.task} has no demonstrations to warm-start from: give "
+                        "actor_rollout_ref.model.path a policy to start PPO from")
     device = dist.local_device(cfg.trainer.device)
     torch.manual_seed(cfg.trainer.seed)
-    train, val = make_arith_task(s.num_examples, d.num_val, seed=cfg.trainer.seed, difficulty=arith_difficulty(d))
-    train = mix_answer_formats(train, s.alt_answer_share, seed=cfg.trainer.seed)
-    tok = train_tokenizer(task_texts(train[:5000]), vocab_size=s.vocab_size)
+    train, val = task.examples(d, num_train=s.num_examples, seed=cfg.trainer.seed)
+    train = task.demonstrations(train, s, seed=cfg.trainer.seed)
+    tok = train_tokenizer(demo_texts(train[:5000]), vocab_size=s.vocab_size)
     mcfg = ModelConfig(model_type="qwen2", vocab_size=tok.vocab_size, hidden_size=s.hidden_size,
                        intermediate_size=s.intermediate_size, num_hidden_layers=s.num_hidden_layers,
                        num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
@@ -117,7 +129,7 @@ def train_sft(cfg, progress=True) -> Path:
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
-    acc = greedy_accuracy(model, tok, val, d.prompt_template, d.max_response_length)
+    acc = greedy_accuracy(model, tok, val, task.score, d.prompt_template, d.max_response_length)
     out = Path(s.output_dir)
     save_pretrained(model, out)
     tok.save(out)
