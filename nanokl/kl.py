@@ -46,6 +46,30 @@ logging and for the reward) with the gradient of k2:
 The bracket is exactly zero in floating point (x − x = 0), so the forward value is bit-for-bit
 the base estimator, and autograd only sees k2. This mirrors verl's `kl_penalty`.
 
+The exact KL from logits (`full`) and what k1/k3 teach beside it
+----------------------------------------------------------------
+`full` needs no sample: at each response position it sums π(v)(log π(v) − log π_ref(v)) over
+all V tokens, from the logits of both models at that position (divided by the sampling
+temperature). Nothing else in a PPO step holds both models' [batch, R, V] logits at once, so
+nanokl/workers.py computes it micro-batch by micro-batch and keeps only the [batch, R] result:
+`workers.compute_full_kl` for the KL in the reward (algorithm.kl_penalty=full), and
+`workers.update_actor(..., ref=ref)` for the KL as a loss (actor.kl_loss_type=full), where the
+gradient is the exact ∇_θ KL(π_θ‖π_ref) of each position's next-token distribution, without the
+sampling noise of any estimator. The price is memory: per micro-batch of mb responses, a peak of
+24·mb·R·V bytes in the reward pass and 28·mb·R·V bytes (20·mb·R·V of it kept for the backward)
+in the loss with its entropy bonus, i.e. 14.9 GB and 17.4 GB for mb = 8, R = 512 and Qwen2.5's
+V = 151936; nanokl/workers.py counts the tensors.
+
+The lesson is in the logs. With `full` the trainer also logs k1 and k3 on the same tokens
+(actor/reward_kl_k1, actor/reward_kl_k3 beside actor/reward_kl_penalty; actor/kl_loss_k1,
+actor/kl_loss_k3 beside actor/kl_loss). Given a prefix, E_{x~π}[k1] = E_{x~π}[k3] = the exact
+KL at that position (k3 up to its clamp), so over a batch their per-token means should sit near
+the exact one, apart by sampling noise only: k1 scattered, sometimes below zero, k3 tighter. A lasting
+gap means the tokens were not drawn from the π of the formula: top-k/top-p sampling draws from a
+truncated distribution, rollout numerics differ from the trainer's, and in the loss, after the
+first optimizer step of a batch, the tokens come from π_old while the KL is of π_θ (the gap then
+grows with actor/ppo_kl).
+
 How the tests prove it (tests/test_kl.py)
 -----------------------------------------
 Each kind equals an independent float64 per-element formula (python `math`) on random inputs
@@ -54,8 +78,10 @@ Carlo check draws tokens from a random categorical π with a known exact KL: the
 of k1 and k3 land within 4 standard errors of the exact sum, k3 is never negative, and
 Var(k3) < Var(k1) when π ≈ π_ref; k2's exact bias matches ⅙E_π[Δ³] as the divergence shrinks
 and its Monte Carlo mean sits many standard errors away from the KL when it is large. `full`
-equals the explicit sum and torch.nn.functional.kl_div. The "+" forms have the base value and
-k2's gradient with respect to both logprob and ref_logprob.
+equals the explicit sum and torch.nn.functional.kl_div, its gradient with respect to the policy
+logits is the analytic π(v)·(Δ(v) − KL), and bf16 logits are summed in float32
+(tests/test_workers.py checks the micro-batched `full`, value and gradient, against kl_div).
+The "+" forms have the base value and k2's gradient with respect to both logprob and ref_logprob.
 """
 
 import torch
@@ -76,8 +102,9 @@ def _full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     # At least float32: a bf16 softmax over a large vocabulary loses the small terms.
     dtype = torch.promote_types(logits.dtype, torch.float32)
     logp = F.log_softmax(logits.to(dtype), dim=-1)
-    ref_logp = F.log_softmax(ref_logits.to(dtype), dim=-1)
-    return (logp.exp() * (logp - ref_logp)).sum(dim=-1)
+    # The reference's log-softmax is a temporary: only Δ is kept, one [..., V] tensor fewer at the peak.
+    delta = logp - F.log_softmax(ref_logits.to(dtype), dim=-1)
+    return (logp.exp() * delta).sum(dim=-1)
 
 
 def kl_penalty(logprob, ref_logprob, kind, logits=None, ref_logits=None):
@@ -86,7 +113,8 @@ def kl_penalty(logprob, ref_logprob, kind, logits=None, ref_logits=None):
     logprob, ref_logprob: [...] log-probabilities of the sampled tokens (same shape).
     kind: one of KL_KINDS.
     logits, ref_logits: [..., V], only for kind="full"; logprob/ref_logprob are then unused
-        (they may be None) and the result has shape logits.shape[:-1].
+        (they may be None) and the result has shape logits.shape[:-1]. For whole batches,
+        nanokl/workers.py feeds it one micro-batch at a time (compute_full_kl, update_actor).
     Returns a tensor of per-token estimates; masking and averaging are the caller's job.
     """
     if kind not in KL_KINDS:

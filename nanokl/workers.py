@@ -32,9 +32,43 @@ skipped: its gradients are dropped and `actor/nan_skipped` counts it; the traini
 run after three such steps in a row (train_ppo.py). This mirrors verl's dp_actor.py /
 dp_critic.py (`compute_log_prob`, `update_policy`, `compute_values`, `update_critic`).
 
+The exact KL from logits (kind `full`, nanokl/kl.py)
+--------------------------------------------------
+The estimators k1/k2/k3 need one number per token from each model, the log-prob of the sampled
+token; the exact KL(π‖π_ref) = Σ_v π(v)(log π(v) − log π_ref(v)) at a position needs both
+models' whole next-token distributions. So `full` runs the policy and the reference on the same
+micro-batch and reduces their [n, R, V] logits to [n, R] before the next micro-batch starts:
+`compute_full_kl` for the KL in the reward, and `update_actor` (which then takes `ref`) for the KL
+as a loss, where the gradient flows through the policy's logits only. Both logits are divided by
+the sampling temperature, like every log-prob here, so the KL is between the distributions the
+rollout sampled from.
+
+`compute_full_kl` is a pass of its own, not fused into `compute_log_probs`: the non-full path
+then stays exactly as it was (each model under its own micro-batch spec, one [n, R, V] tensor at
+a time), and only a run that asks for `full` pays for it, with one more forward of each model.
+
+Memory of `full`. Write E = mb·R·V for a micro-batch of mb responses of R tokens over a
+vocabulary of V, and count the live [mb, R, V] tensors (fp32, 4 bytes a number; on CUDA the
+LM head's bf16 output, 2E bytes, lives only until it is cast):
+  compute_full_kl (no grad): policy logits, reference logits, log π, and inside the sum
+      Δ = log π − log π_ref, π = exp(log π) and π·Δ (log π_ref is freed once Δ exists):
+      6 tensors, peak 24·E bytes.
+  update_actor, kl_loss_type=full: the same six, plus the entropy bonus's softmax when
+      entropy_coeff > 0: peak 28·E bytes in the forward (24·E without the bonus). Autograd
+      keeps for the backward the policy logits, log π, π, Δ (and the softmax): 20·E bytes
+      (16·E), against 8·E (4·E) for a sampled-token kind; the reference logits are freed
+      when the micro-batch's loss is built, and the backward's peak is the forward's.
+(Counted op by op with an allocation trace on CPU, where the LM head already returns fp32.)
+For mb = 8, R = 512, V = 151936 (Qwen2.5): E = 622,329,856 numbers, 2.49 GB (2.32 GiB) a tensor;
+the reward pass peaks at 14.9 GB (13.9 GiB), the loss at 17.4 GB (16.2 GiB) in the forward with
+12.4 GB (11.6 GiB) saved for the backward. Model weights, activations and optimizer state come
+on top. A smaller micro-batch (or token budget) is the knob: every figure is linear in mb·R.
+
 tests/test_workers.py checks that the micro-batched gradient (fixed count and token budget) equals
-the one-batch gradient for every loss_agg_mode, and that the log-probs equal a per-sequence
-float64 reference; tests/test_batching.py that packed forwards equal padded ones.
+the one-batch gradient for every loss_agg_mode, that the log-probs equal a per-sequence float64
+reference, that `compute_full_kl` equals a per-sequence float64 torch `kl_div` and does not depend
+on the micro-batching, and that the micro-batched gradient of the `full` KL loss equals the
+one-batch gradient of kl_div; tests/test_batching.py that packed forwards equal padded ones.
 """
 
 import contextlib
@@ -45,6 +79,7 @@ import torch
 from nanokl import dist
 from nanokl.batching import Batching, pack, split
 from nanokl.kl import kl_penalty
+from nanokl.masked import masked_mean
 from nanokl.ppo import (agg_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
                         logprobs_from_logits)
 
@@ -105,6 +140,30 @@ def compute_log_probs(model, batch, temperature, spec=Batching(), with_entropy=F
         if with_entropy:
             ent[rows] = entropy_from_logits(logits)
     return logp, ent
+
+
+@torch.no_grad()
+def compute_full_kl(actor, ref, batch, temperature, spec=Batching()):
+    """Exact KL(π‖π_ref) of the next-token distributions at each response position: [N, R], 0 at
+    padding. Micro-batch by micro-batch both models run on the same rows and their logits (divided
+    by `temperature`) are reduced by kl_penalty(..., "full") before the next micro-batch starts.
+
+    For algorithm.kl_penalty=full the trainer puts this in the reward and logs its per-token mean
+    as actor/reward_kl_penalty, and beside it actor/reward_kl_k1 and actor/reward_kl_k3: the k1
+    and k3 estimates from old_log_probs and ref_log_probs on the same tokens (nanokl/kl.py)."""
+    actor, ref = dist.unwrap(actor), dist.unwrap(ref)
+    mask = batch["response_mask"]
+    out = torch.zeros(mask.shape, device=mask.device)
+    for rows in split(batch, spec, agreed_count):
+        if not rows:
+            continue
+        mb = take(batch, rows)
+        with autocast(mask.device):
+            logits = response_logits(actor, mb, temperature, spec.packed)
+            ref_logits = response_logits(ref, mb, temperature, spec.packed)
+        out[rows] = kl_penalty(None, None, "full", logits, ref_logits) * mb["response_mask"]
+        del logits, ref_logits  # else they stay alive through the next micro-batch's forwards
+    return out
 
 
 @torch.no_grad()
@@ -188,14 +247,23 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
     return metrics
 
 
-def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), generator=None, horizon=None) -> dict:
+def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), generator=None, horizon=None, *,
+                 kl_loss_coef: float, ref=None) -> dict:
     """PPO epochs over the batch with the clipped policy loss (+ KL loss, - entropy bonus).
 
     `a` is the config's actor_rollout_ref.actor; `batch` holds sequences, attention_mask,
     position_ids, responses, response_mask, old_log_probs, advantages (and ref_log_probs when
-    a.use_kl_loss); `mini_size` counts responses (ppo_mini_batch_size x rollout.n). Returns lists
-    of per-mini-batch metric values under verl's names."""
+    a.use_kl_loss with a sampled-token kind); `mini_size` counts responses (ppo_mini_batch_size x
+    rollout.n). `kl_loss_coef` weighs the KL loss (the trainer's controller holds it, so a
+    rollback can raise it); `ref`, the reference model, is needed for a.kl_loss_type == "full",
+    whose loss is the exact KL from both models' logits with the gradient through the policy's.
+    Returns lists of per-mini-batch metric values under verl's names; with `full`, also
+    actor/kl_loss_k1 and actor/kl_loss_k3, the k1 and k3 estimates on the same tokens."""
     mode = a.loss_agg_mode
+    full = a.use_kl_loss and a.kl_loss_type == "full"
+    if full and ref is None:
+        raise ValueError("kl_loss_type='full' needs the reference model: update_actor(..., ref=ref)")
+    ref = dist.unwrap(ref) if full else None
 
     def micro_loss(mb, norm):
         mask = mb["response_mask"]
@@ -207,16 +275,28 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), 
         loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}
         if a.entropy_coeff:
             loss = loss - a.entropy_coeff * agg_loss(entropy_from_logits(logits), mask, mode, norm, horizon)
+        if full:
+            with torch.no_grad():
+                with autocast(mb["sequences"].device):
+                    ref_logits = response_logits(ref, mb, temperature, spec.packed)
+                # log π_ref of the sampled tokens from these very logits, so k1/k3 and `full` share every number
+                ref_logp = logprobs_from_logits(ref_logits, mb["responses"])
+                for k in ("k1", "k3"):  # the estimators on the same tokens, beside the exact value
+                    sums[f"actor/kl_loss_{k}"] = agg_loss(kl_penalty(logp, ref_logp, k), mask, mode, norm, horizon)
+            kl_mat = kl_penalty(None, None, "full", logits, ref_logits)
+            del ref_logits  # nothing of the reference is needed by the backward
+        elif a.use_kl_loss:
+            kl_mat = kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type)
         if a.use_kl_loss:
-            kl_loss = agg_loss(kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type), mask, mode, norm, horizon)
-            loss = loss + a.kl_loss_coef * kl_loss
+            kl_loss = agg_loss(kl_mat, mask, mode, norm, horizon)
+            loss = loss + kl_loss_coef * kl_loss
             sums["actor/kl_loss"] = kl_loss.detach()
         return loss, sums, {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
 
     metrics = ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, a.shuffle, a.grad_clip, mode, micro_loss,
                          "actor", generator)
     if a.use_kl_loss:
-        metrics["actor/kl_coef"].append(a.kl_loss_coef)
+        metrics["actor/kl_coef"].append(kl_loss_coef)
     return metrics
 
 
@@ -230,8 +310,7 @@ def update_critic(critic, opt, batch, c, mini_size, spec=Batching(), generator=N
             vpreds = critic_values(critic, mb, spec.packed)
         loss, m = compute_value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, mode,
                                      global_norm=norm, horizon=horizon)
-        means = {"critic/vf_clipfrac": m["vf_clipfrac"], "critic/vpred_mean": (vpreds.detach() * mask).sum()
-                 / mask.sum().clamp(min=1)}
+        means = {"critic/vf_clipfrac": m["vf_clipfrac"], "critic/vpred_mean": masked_mean(vpreds.detach(), mask)}
         return loss, {"critic/vf_loss": loss.detach()}, means
 
     return ppo_epochs(critic, opt, batch, mini_size, spec, c.ppo_epochs, c.shuffle, c.grad_clip, mode, micro_loss,

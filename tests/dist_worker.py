@@ -94,7 +94,8 @@ def main():
     c = SimpleNamespace(loss_agg_mode=args.mode, cliprange_value=0.5, ppo_epochs=2, shuffle=False, grad_clip=1.0)
     # one mini-batch holding all 8 responses (8 // W on each rank), micro-batches of 2
     metrics = dict(workers.update_critic(critic, c_opt, batch, c, 8 // W, spec, horizon=7))
-    metrics.update(workers.update_actor(actor, a_opt, batch, a, 1.0, 8 // W, spec, horizon=7))
+    metrics.update(workers.update_actor(actor, a_opt, batch, a, 1.0, 8 // W, spec, horizon=7,
+                                        kl_loss_coef=a.kl_loss_coef))
     params = {f"actor.{k}": v.detach().clone() for k, v in dist.full_tensors(actor)}
     params.update({f"critic.{k}": v.detach().clone() for k, v in dist.full_tensors(critic)})
     if rank == 0:

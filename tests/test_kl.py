@@ -1,5 +1,6 @@
 """Tests for nanokl/kl.py: every estimator against an independent float64 formula, the
-statistics of k1/k2/k3 by Monte Carlo against an exact KL, and the straight-through forms."""
+statistics of k1/k2/k3 by Monte Carlo against an exact KL, the straight-through forms, and the
+exact `full` KL's value, gradient and precision (its micro-batched use: tests/test_workers.py)."""
 
 import math
 
@@ -132,6 +133,27 @@ def test_full_equals_explicit_sum_and_kl_div():
     ref_kl = F.kl_div(F.log_softmax(ref_logits, -1), F.log_softmax(logits, -1),
                       reduction="none", log_target=True).sum(-1)
     torch.testing.assert_close(out, ref_kl, rtol=1e-10, atol=1e-12)
+
+
+def test_full_gradient_is_analytic_and_runs_in_float32():
+    """∂KL/∂z_v = π(v)·(Δ(v) − KL) with Δ = log π − log π_ref (from ∂log π(u)/∂z_v = δ_uv − π(v)):
+    the exact gradient of the KL as a loss, through the policy's logits. bf16 logits (the LM head
+    under autocast) are promoted: the sum runs in float32 and matches float64 closely."""
+    logits = (torch.randn(3, 4, 11, dtype=torch.float64) * 2).requires_grad_(True)
+    ref_logits = torch.randn(3, 4, 11, dtype=torch.float64) * 2
+    out = kl_penalty(None, None, "full", logits=logits, ref_logits=ref_logits)
+    w = torch.rand_like(out)
+    (grad,) = torch.autograd.grad((out * w).sum(), logits)
+    logp, ref_logp = F.log_softmax(logits.detach(), -1), F.log_softmax(ref_logits, -1)
+    delta = logp - ref_logp
+    expected = w[..., None] * logp.exp() * (delta - out.detach()[..., None])
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-13)
+
+    low = kl_penalty(None, None, "full", logits=logits.detach().bfloat16(), ref_logits=ref_logits.bfloat16())
+    assert low.dtype == torch.float32
+    exact = kl_penalty(None, None, "full", logits=logits.detach().bfloat16().double(),
+                       ref_logits=ref_logits.bfloat16().double())
+    torch.testing.assert_close(low.double(), exact, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", PLUS_KINDS)
