@@ -1,20 +1,17 @@
-"""Advantages: which tokens deserve more probability? GAE (with a critic) and GRPO (without).
+"""Advantages: which tokens deserve more probability? GAE (with a critic), GRPO (without).
 
-Masked statistics
------------------
-Responses are right-padded to a common length, so every statistic is taken over the tokens
-where `mask` is 1. `masked_mean` = Σ m·x / Σ m; `masked_var` is the unbiased variance
-Σ m(x − μ)² / (n − 1) over those tokens. `masked_whiten` rescales to mean 0, variance 1:
-(x − μ)/sqrt(σ² + 1e-8). In a distributed run each rank holds a shard of the batch, and
-whitening with local statistics would make training depend on the number of GPUs. So the
-statistics are built from *moments* that add across shards:
+Every estimator turns the per-token rewards of a batch of responses into per-token advantages
+(what the policy loss pushes on) and returns (what the critic regresses on, when there is one).
+They differ in the baseline they subtract: a learned critic V(s_t) (GAE), or the other responses
+to the same prompt (GRPO). `ESTIMATORS`, at the bottom, maps each name that
+`algorithm.adv_estimator` accepts to a function with one signature and says whether it needs a
+critic and whether it groups responses by prompt; train_ppo.py and the config read only that
+table, so a new estimator is one function and one table entry here, plus its test.
 
-    S1 = Σ m·x,   S2 = Σ m·x²,   n = Σ m        (masked_moments)
-    μ = S1/n,     σ² = (S2/n − μ²) · n/(n − 1)
-
-dist.py all-reduces (S1, S2, n) and passes them back in; the whitened result is then the
-same on 1 or 8 GPUs. The moments are accumulated in float64 so that S2/n − μ² does not
-cancel to noise when |μ| is large compared with σ.
+Whitening across ranks. GAE whitens its advantages over the batch. In a distributed run each rank
+holds a shard, and whitening with local statistics would make training depend on the number of
+GPUs, so GAE whitens with moments (Σx, Σx², n) summed over ranks (`whiten_stats`, nanokl/masked.py
+explains the moments; nanokl/dist.py sums them).
 
 GAE (Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized Advantage
 Estimation", arXiv:1506.02438)

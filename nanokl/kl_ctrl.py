@@ -31,10 +31,21 @@ hundred to a few thousand), so that K_β·0.2 is a few percent per step.
 Keep n_steps/horizon below 5: at the maximal error −0.2 the multiplier 1 + e·n/H would reach
 zero and β would lose its sign; `update` refuses that rather than silently flipping it.
 
+Two coefficients, one kind of object
+------------------------------------
+The same classes hold both KL weights of a run: β in the reward (algorithm.kl_ctrl: fixed or
+adaptive) and the weight of the KL *loss* (actor.kl_loss_coef, a FixedKLController). Each is
+state, not configuration: the KL monitor's rollback raises both (nanokl/harness/run.py), and
+both are saved in every checkpoint with `state_dict()` and restored with `load_state_dict()`,
+so a resumed run continues with the coefficients it had, not the ones the config started from.
+
 Mirrors verl's `AdaptiveKLController`, `FixedKLController` and `get_kl_controller`
-(verl/trainer/ppo/core_algos.py). Our additions: `state_dict()`/`load_state_dict()` with
-plain python floats so β is saved in checkpoints and a resumed run continues the same
-trajectory (the hyper-parameters come from the config, only β is state), and input
+(verl/trainer/ppo/core_algos.py). Where nanokl differs from verl: β must stay positive. verl
+accepts any coefficient and any horizon; here an adaptive β must start > 0 (a multiplicative
+update could never leave 0), a fixed one must be >= 0, and an update whose multiplier would reach
+0 or below (n_steps/horizon >= 5) raises instead of flipping β's sign, which would turn the
+penalty into a bonus for drifting away. Our other additions: `state_dict()`/`load_state_dict()`
+with plain python floats (the hyper-parameters come from the config, only β is state), and input
 validation with readable errors.
 
 How the tests prove it (tests/test_kl_ctrl.py)

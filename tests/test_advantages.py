@@ -135,3 +135,24 @@ def test_grpo_identical_scores_give_zero_advantage():
     rewards = torch.ones(4, 3)
     adv, _ = compute_grpo_outcome_advantage(rewards, torch.ones(4, 3), [0, 0, 1, 1])
     assert torch.equal(adv, torch.zeros(4, 3))
+
+
+def test_estimator_table_calls_each_function_with_one_signature():
+    """train_ppo.py calls every estimator as fn(rewards, mask, values, index, alg, whiten_stats):
+    through the table, GAE and GRPO give exactly what their direct calls give."""
+    from types import SimpleNamespace
+
+    from nanokl.advantages import ESTIMATORS
+    B, T = 6, 5
+    mask = right_padded_mask([5, 2, 4, 5, 1, 3], T)
+    rewards, values = torch.randn(B, T, dtype=torch.float64) * mask, torch.randn(B, T, dtype=torch.float64)
+    index = torch.tensor([0, 0, 1, 1, 2, 2])
+    alg = SimpleNamespace(gamma=0.9, lam=0.8, norm_adv_by_std_in_grpo=False)
+    direct = {"gae": compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8),
+              "grpo": compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std=False)}
+    for name, (want_adv, want_ret) in direct.items():
+        est = ESTIMATORS[name]
+        adv, ret = est.fn(rewards, mask, values if est.needs_critic else None, index, alg, None)
+        assert torch.equal(adv, want_adv) and torch.equal(ret, want_ret), name
+    assert ESTIMATORS["gae"].needs_critic and not ESTIMATORS["gae"].grouped
+    assert not ESTIMATORS["grpo"].needs_critic and ESTIMATORS["grpo"].grouped

@@ -132,7 +132,7 @@ def test_user_errors_exit_2_with_one_line(sft_dir, tmp_path):
     assert len(lines) == 1 and "algorithm.kl_ctrl.target_kll" in lines[0] and "target_kl" in lines[0]
 
     missing = cli(f"actor_rollout_ref.model.path={tmp_path / 'nope'}", f"trainer.default_local_dir={tmp_path / 'r'}",
-                  "data.train_files=x.jsonl")
+                  "data.task=gsm8k", "data.train_files=x.jsonl")
     assert missing.returncode == 2
     lines = missing.stderr.strip().splitlines()
     assert len(lines) == 1 and str(tmp_path / "nope") in lines[0], missing.stderr
@@ -140,7 +140,7 @@ def test_user_errors_exit_2_with_one_line(sft_dir, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n{not json\n")
     malformed = cli(f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={tmp_path / 'r2'}",
-                    f"data.train_files={data}", f"data.val_files={data}")
+                    "data.task=gsm8k", f"data.train_files={data}", f"data.val_files={data}")
     assert malformed.returncode == 2
     lines = malformed.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{data}:2" in lines[0], malformed.stderr

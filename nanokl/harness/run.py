@@ -1,0 +1,371 @@
+"""The run around the PPO step: setup, resume, checkpoints, the KL monitor's actions, logging.
+
+train_ppo.py's `ppo_step` is the lesson; this module is what lets it run for real and survive.
+A PPO run needs more state than the step reads: models wrapped for torchrun, optimizers and their
+schedules, the two KL coefficients, the data, a tracker, a monitor, where the last healthy
+checkpoint is. All of it lives in one plain `Run` object that `setup` builds and the functions
+below read and update; no trainer class hierarchy.
+
+    run = setup(cfg)               models (policy, frozen reference, critic when the advantage
+                                   estimator needs one), a rollout copy where one is needed
+                                   (nanokl/dist.py), optimizers, KL controllers, the task's
+                                   examples; the warm start / reward model trained first when
+                                   missing; resume from the latest checkpoint (trainer.resume_mode)
+    for step in steps(run):
+        metrics = ppo_step(run, step)
+        if not end_step(run, step, metrics):     validation every test_freq, the NaN guard, the
+            break                                KL monitor (warn, stop, roll back), checkpoint
+                                                 every save_freq, one metrics.jsonl row
+    run.tracker.close()
+
+The two KL coefficients are controllers (nanokl/kl_ctrl.py): `run.kl_ctrl` is beta in the reward
+(fixed or adaptive, algorithm.kl_ctrl), `run.kl_loss_ctrl` the weight of the KL loss
+(actor.kl_loss_coef, fixed). Both are saved in every checkpoint and restored on resume; a rollback
+raises both (to at least rollback_min_beta, times rollback_beta_factor).
+
+Checkpoints (nanokl/harness/checkpoint.py) hold HF-format weights, the optimizer states keyed by
+parameter name (any world size can load them), and the trainer state: step, both controllers,
+the monitor, the NaN streak, the last healthy step and every RNG state. Batches and sampling seeds
+are pure functions of the step, so "4 steps" and "2 steps, resume, 2 steps" are bit-identical
+(tests/test_train_ppo.py).
+"""
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from nanokl import dist
+from nanokl.advantages import ESTIMATORS
+from nanokl.batching import Batching
+from nanokl.harness.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
+from nanokl.harness.config import config_to_dict, save_config
+from nanokl.harness.config_io import UserError
+from nanokl.harness.data import steps_per_epoch
+from nanokl.harness.hf_format import from_pretrained, load_value_model
+from nanokl.harness.metrics import timer
+from nanokl.harness.monitor import CHECKS, KLMonitor
+from nanokl.harness.scoring import validate
+from nanokl.harness.tokenizer import load_tokenizer
+from nanokl.harness.tracking import Tracker
+from nanokl.kl_ctrl import FixedKLController, make_kl_controller
+from nanokl.supervised.reward_model import load_reward_model
+from nanokl.supervised.reward_model import train_from_config as train_reward_model
+from nanokl.supervised.sft import train_sft
+from nanokl.tasks import TASKS
+
+MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before the run stops
+
+
+class TrainingStopped(Exception):
+    """The run cannot continue (e.g. repeated NaN losses); a checkpoint was saved first."""
+
+
+@dataclass
+class Run:
+    cfg: object
+    rank: int
+    world: int
+    device: torch.device
+    run_dir: Path
+    tok: object
+    train: list
+    val: list
+    estimator: object  # advantages.ESTIMATORS[algorithm.adv_estimator]
+    actor: torch.nn.Module
+    ref: torch.nn.Module
+    critic: torch.nn.Module | None  # None when the estimator needs no critic
+    rollout_model: torch.nn.Module  # the actor itself, or a copy refreshed in place after each update
+    rollout_copy: bool
+    actor_opt: object
+    actor_sched: object
+    critic_opt: object
+    critic_sched: object
+    kl_ctrl: object  # beta in the reward
+    kl_loss_ctrl: FixedKLController  # the KL loss's coefficient
+    rm: torch.nn.Module | None  # the learned reward model (reward_model.enable)
+    monitor: KLMonitor | None
+    tracker: Tracker | None
+    specs: dict  # how each forward / update cuts its batch into micro-batches (batching.py)
+    total_steps: int
+    start: int = 0
+    nan_streak: int = 0
+    healthy_step: int | None = None  # the last checkpoint a rollback may return to
+
+
+def lr_lambda(optim, total_steps):
+    """Linear warm-up, then constant or cosine down to min_lr_ratio (verl's two schedules)."""
+    warm = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+
+    def f(step):
+        if step < warm:
+            return (step + 1) / warm
+        if optim.lr_scheduler_type == "cosine":
+            progress = (step - warm) / max(1, total_steps - warm)
+            return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+    return f
+
+
+def make_optimizer(model, optim, total_steps):
+    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
+
+
+def batching_specs(cfg) -> dict:
+    """verl's micro-batch knobs of each forward and update -> how it cuts its batch (batching.py)."""
+    arr, c = cfg.actor_rollout_ref, cfg.critic
+    a, ro, packed, packed_c = arr.actor, arr.rollout, arr.model.use_remove_padding, c.model.use_remove_padding
+
+    def spec(micro_size, max_tokens, dynamic, packed):
+        return Batching(micro_size, max_tokens if dynamic else None, packed)
+    return {
+        "old": spec(ro.log_prob_micro_batch_size_per_gpu, ro.log_prob_max_token_len_per_gpu,
+                    ro.log_prob_use_dynamic_bsz, packed),
+        "ref": spec(arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_max_token_len_per_gpu,
+                    arr.ref.log_prob_use_dynamic_bsz, packed),
+        "actor": spec(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz, packed),
+        "critic": spec(c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c),
+        "values": spec(c.ppo_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c),
+    }
+
+
+def _check_world(cfg, W, estimator):
+    d, a, c = cfg.data, cfg.actor_rollout_ref.actor, cfg.critic
+    for key, v in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.actor.ppo_mini_batch_size",
+                   a.ppo_mini_batch_size), ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size)):
+        if v % W:
+            raise UserError(f"{key} ({v}) must be divisible by the number of processes ({W})")
+    # (a frozen reference may stay `none`: a full copy per process, like a DDP replica without grads)
+    for key, v in (("actor_rollout_ref.actor.strategy", a.strategy), ("critic.strategy", c.strategy)):
+        if v == "none" and W > 1 and (key != "critic.strategy" or estimator.needs_critic):
+            # each process would train its own model and silently diverge
+            raise UserError(f"{key}=none runs one process, but torchrun started {W}: use ddp or fsdp2")
+
+
+def _train_missing_stages(cfg, rank):
+    """The warm start (reference policy) and the reward model, when the config says how to make them."""
+    model_path, rm_path = Path(cfg.actor_rollout_ref.model.path), cfg.reward_model.model.path
+    if (not (model_path / "config.json").exists() and TASKS[cfg.data.task].demonstrations is not None
+            and model_path == Path(cfg.sft.output_dir)):
+        if rank == 0:
+            print(f"no reference policy at {model_path}: training the warm start first (nanokl.supervised.sft)",
+                  file=sys.stderr)
+            train_sft(cfg)
+        dist.barrier()
+    if not model_path.is_dir():
+        raise UserError(f"model directory {str(model_path)!r} does not exist (actor_rollout_ref.model.path)")
+    if cfg.reward_model.enable and not (Path(rm_path) / "config.json").exists() and cfg.reward_model.train.data_path:
+        if rank == 0:  # the config says how to distil one from rankings: do it first, like the warm start
+            print(f"no reward model at {rm_path}: training it from rankings first (nanokl.supervised.reward_model)",
+                  file=sys.stderr)
+            train_reward_model(cfg)
+        dist.barrier()
+
+
+def _load_rm(cfg, device):
+    rm_path = cfg.reward_model.model.path
+    rm = load_reward_model(rm_path, device=device).eval()
+    rm_tok = Path(rm_path) / "tokenizer.json"
+    policy_tok = Path(cfg.actor_rollout_ref.model.tokenizer_path) / "tokenizer.json"
+    if rm_tok.is_file() and rm_tok.read_bytes() != policy_tok.read_bytes():  # it reads the policy's token ids
+        raise UserError(f"the reward model at {rm_path} was trained with another tokenizer than the policy's "
+                        f"({policy_tok}); retrain it: python -m nanokl.supervised.reward_model --config ...")
+    return rm
+
+
+def setup(cfg) -> Run:
+    """Everything before the first step: see the module docstring."""
+    d, arr, alg, t, c = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer, cfg.critic
+    a, ro = arr.actor, arr.rollout
+    rank, W, _ = dist.init()  # torchrun sets RANK / WORLD_SIZE; plain python is rank 0 of 1
+    device = dist.local_device(t.device)
+    estimator = ESTIMATORS[alg.adv_estimator]
+    _check_world(cfg, W, estimator)
+    run_dir = Path(t.default_local_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    _train_missing_stages(cfg, rank)
+    # seeded after the warm start and the RM, which draw from the same generator: the critic's new
+    # value head is then the same whether they were trained in this process or found on disk
+    torch.manual_seed(t.seed)
+    tok = load_tokenizer(arr.model.tokenizer_path)
+    train, val = TASKS[d.task].examples(d, seed=d.seed)
+
+    # models: the policy (actor), its frozen copy (reference), the critic
+    ckpt = None
+    if t.resume_mode == "auto":
+        ckpt = latest_checkpoint(run_dir)
+    elif t.resume_mode == "resume_path":
+        ckpt = Path(t.resume_from_path)
+    model_path = Path(arr.model.path)
+    actor_path = ckpt / "actor" if ckpt else model_path
+    actor = from_pretrained(actor_path, device=device).train()
+    actor.model.gradient_checkpointing = arr.model.enable_gradient_checkpointing
+    ref = from_pretrained(model_path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+    ref.eval().requires_grad_(False)
+    critic = None
+    if estimator.needs_critic:
+        critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device).train()
+    # Rollout reads the policy's whole weights. A plain CPU actor (or a DDP replica) is used as is;
+    # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
+    # in place after every update, so that its captured CUDA graphs stay valid (nanokl/dist.py).
+    rollout_model = actor
+    rollout_copy = device.type == "cuda" or (a.strategy == "fsdp2" and W > 1)
+    if rollout_copy:
+        dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
+        rollout_model = from_pretrained(actor_path, device=device, dtype=dtype).eval().requires_grad_(False)
+    actor = dist.wrap(actor, a.strategy, device)
+    ref = dist.wrap(ref, arr.ref.strategy, device, trainable=False)
+    critic = dist.wrap(critic, c.strategy, device) if critic is not None else None
+
+    total_steps = t.total_training_steps or t.total_epochs * steps_per_epoch(len(train), d.train_batch_size)
+    actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps)
+    critic_opt, critic_sched = make_optimizer(critic, c.optim, total_steps) if critic is not None else (None, None)
+    km = t.kl_monitor
+    run = Run(cfg=cfg, rank=rank, world=W, device=device, run_dir=run_dir, tok=tok, train=train, val=val,
+              estimator=estimator, actor=actor, ref=ref, critic=critic, rollout_model=rollout_model,
+              rollout_copy=rollout_copy, actor_opt=actor_opt, actor_sched=actor_sched, critic_opt=critic_opt,
+              critic_sched=critic_sched, kl_ctrl=make_kl_controller(alg.kl_ctrl),
+              kl_loss_ctrl=FixedKLController(a.kl_loss_coef),
+              rm=_load_rm(cfg, device) if cfg.reward_model.enable else None,
+              monitor=KLMonitor(km) if km.enable else None, tracker=None, specs=batching_specs(cfg),
+              total_steps=total_steps)
+    if ckpt:
+        resume(run, ckpt)
+    rollback_on = run.monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in CHECKS}
+    if rollback_on and run.healthy_step is None:
+        save(run, run.start)  # the starting point is healthy by definition: something to roll back to
+    run.tracker = Tracker(run_dir, t.logger, config_to_dict(cfg), enabled=rank == 0, project=t.project_name,
+                          experiment=t.experiment_name)
+    if t.val_before_train and val and run.start == 0:
+        run.tracker.log(validate(rollout_model, tok, val, cfg, device), step=0)
+    return run
+
+
+def steps(run):
+    """The remaining global steps, with a progress bar on rank 0."""
+    return tqdm(range(run.start, run.total_steps), desc="ppo", initial=run.start, total=run.total_steps,
+                file=sys.stderr, disable=run.rank != 0)
+
+
+def _models(run):
+    return (("actor", run.actor, run.actor_opt, run.actor_sched),
+            *((("critic", run.critic, run.critic_opt, run.critic_sched),) if run.critic is not None else ()))
+
+
+def _restore(run, path, weights=False):
+    """Optimizer states (+ weights, for a rollback) from checkpoint `path`; returns its trainer state."""
+    optim_state, state = load_state(path)
+    for name, model, opt, _ in _models(run):
+        if weights:
+            load = from_pretrained if name == "actor" else load_value_model
+            dist.load_full_state_dict(model, load(path / name).state_dict())
+        dist.load_optimizer_state(model, opt, optim_state[name])
+    if weights and run.rollout_copy:
+        dist.sync_rollout_weights(run.rollout_model, run.actor)
+    return optim_state, state
+
+
+def resume(run, ckpt):
+    """Continue a run from checkpoint `ckpt` exactly where it stopped."""
+    optim_state, state = _restore(run, ckpt)
+    for name, _, _, sched in _models(run):
+        sched.load_state_dict(optim_state[f"{name}_sched"])
+    run.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    if "kl_loss_ctrl" in state:  # a rollback may have raised it
+        run.kl_loss_ctrl.load_state_dict(state["kl_loss_ctrl"])
+    if run.monitor and "monitor" in state:
+        run.monitor.load_state_dict(state["monitor"])
+    set_rng_state(state["rng"])
+    run.start, run.nan_streak, run.healthy_step = state["global_step"], state.get("nan_streak", 0), state.get(
+        "healthy_step")
+    if run.rank == 0:
+        print(f"resumed from {ckpt} at step {run.start}", file=sys.stderr)
+
+
+def save(run, step, healthy=True) -> Path:
+    """Every rank gathers (a collective), rank 0 writes full HF weights + name-keyed optimizer state."""
+    run.healthy_step = step if healthy else run.healthy_step
+    weights = {name: (dist.unwrap(m), dist.full_state_dict(m)) for name, m, _, _ in _models(run)}
+    optim = {}
+    for name, model, opt, sched in _models(run):
+        optim.update({name: dist.optimizer_state(model, opt), f"{name}_sched": sched.state_dict()})
+    state = {"kl_ctrl": run.kl_ctrl.state_dict(), "kl_loss_ctrl": run.kl_loss_ctrl.state_dict(), "rng": rng_state(),
+             "nan_streak": run.nan_streak, "healthy_step": run.healthy_step,
+             **({"monitor": run.monitor.state_dict()} if run.monitor else {})}
+    path = run.run_dir / "checkpoints" / f"global_step_{step}"
+    if run.rank == 0:
+        path = save_checkpoint(run.run_dir, step, weights, optim, state, tokenizer=run.tok,
+                               keep=run.cfg.trainer.max_actor_ckpt_to_keep)
+    dist.barrier()
+    return path
+
+
+def rollback(run):
+    """Reload the last healthy checkpoint's weights and optimizer states and raise both KL
+    coefficients; the step count and the learning-rate schedule keep moving forward."""
+    path = run.run_dir / "checkpoints" / f"global_step_{run.healthy_step}"
+    if run.healthy_step is None or not (path / "trainer_state.pt").is_file():
+        return None
+    _, state = _restore(run, path, weights=True)
+    km, alg, a = run.cfg.trainer.kl_monitor, run.cfg.algorithm, run.cfg.actor_rollout_ref.actor
+    if alg.use_kl_in_reward:  # beta as it is now or was then, whichever is larger, times the factor
+        run.kl_ctrl.value = max(run.kl_ctrl.value, state["kl_ctrl"]["value"], km.rollback_min_beta) * \
+            km.rollback_beta_factor
+    if a.use_kl_loss:
+        run.kl_loss_ctrl.value = max(run.kl_loss_ctrl.value, km.rollback_min_beta) * km.rollback_beta_factor
+    run.monitor.rolled_back()
+    return path
+
+
+def _say(run, message):
+    if run.rank == 0:
+        tqdm.write(message, file=sys.stderr)
+
+
+def end_step(run, step, metrics) -> bool:
+    """After step `step`: validation, the NaN guard, the KL monitor, checkpoint, log. False ends the run."""
+    t = run.cfg.trainer
+    done = step + 1
+    last = done == run.total_steps
+    if run.val and t.test_freq > 0 and (done % t.test_freq == 0 or last):
+        with timer(metrics, "testing", run.device):
+            metrics.update(validate(run.rollout_model, run.tok, run.val, run.cfg, run.device))
+    run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
+    if run.nan_streak >= MAX_NAN_STEPS:
+        path = save(run, done, healthy=False)
+        run.tracker.log(metrics, step=done)
+        raise TrainingStopped(f"stopped at step {done}: {MAX_NAN_STEPS} steps in a row had a non-finite loss "
+                              f"or gradient (updates skipped); checkpoint saved to {path}")
+    actions, events = set(), []
+    if run.monitor:  # KL health (nanokl/harness/monitor.py): warn, stop cleanly, or roll back
+        events = run.monitor.check(done, metrics)
+        metrics.update(run.monitor.metrics(), **{"monitor/health": run.monitor.health})
+        actions = {e.action for e in events}
+        for e in events:
+            _say(run, e.message)
+        if "rollback" in actions and "stop" not in actions:
+            back = rollback(run)
+            if back is None:
+                actions.add("stop")
+                _say(run, "kl_monitor: no healthy checkpoint to roll back to; stopping")
+            else:
+                _say(run, f"kl_monitor: rolled back to {back}; beta is now {run.kl_ctrl.value:.4g}")
+    if "stop" in actions:
+        path = save(run, done, healthy=False)
+        run.tracker.log(metrics, step=done)
+        if run.rank == 0:
+            which = ", ".join(e.check for e in events if e.action == "stop") or "rollback impossible"
+            print(f"kl_monitor stopped the run at step {done} (check: {which}); checkpoint saved to {path}",
+                  file=sys.stderr)
+        return False
+    if (t.save_freq > 0 and done % t.save_freq == 0) or last:
+        with timer(metrics, "save_checkpoint", run.device):
+            save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe)
+    run.tracker.log(metrics, step=done)
+    return True
