@@ -1,4 +1,4 @@
-"""Advantages: which tokens deserve more probability? GAE (with a critic), GRPO (without).
+"""Advantages: which tokens deserve more probability? GAE (with a critic), GRPO and RLOO (without).
 
 Every estimator turns the per-token rewards of a batch of responses into per-token advantages
 (what the policy loss pushes on) and returns (what the critic regresses on, when there is one).
@@ -46,12 +46,27 @@ mean 0 and std 1 (verl's convention), so its advantage is its own score. Mirrors
 `compute_grpo_outcome_advantage`; the returns are the advantages. In a distributed run every
 response of a group must live on the same rank.
 
+RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+Learning from Human Feedback in LLMs", arXiv:2402.14740; Kool et al. 2019)
+---------------------------------------------------------------------------
+Also no critic, and a baseline that cannot see the sample it judges: each response is compared
+with the mean score of the *other* k − 1 responses to its prompt,
+
+    A_i = s_i − (1/(k−1)) Σ_{j≠i} s_j  =  k/(k−1) · (s_i − mean_g(s))
+
+Leaving i out keeps the baseline independent of the action, so the policy gradient stays
+unbiased (GRPO's group mean includes s_i, which shrinks every advantage by (k−1)/k, and its
+division by the std rescales prompts by how much their scores vary). There is no std
+normalisation. A group of size one has no other response: its advantage is its own score (verl's
+`compute_rloo_outcome_advantage` does the same). Like GRPO, the returns are the advantages.
+
 How the tests prove it (tests/test_advantages.py)
 ------------------------------------------
 GAE equals a float64 per-sequence python loop that first compresses each row to its real
 tokens; with γ = λ = 1, returns equal the Monte Carlo return-to-go; whitening with the summed
 moments of a 2-way split equals whitening the whole batch; GRPO equals a per-group manual
-computation with python lists, including a group of size one and norm_adv_by_std=False.
+computation with python lists, including a group of size one and norm_adv_by_std=False; RLOO
+equals a per-group python loop over the other responses' scores.
 """
 
 from typing import Callable, NamedTuple
@@ -147,7 +162,31 @@ def _grpo(token_level_rewards, response_mask, values, index, alg, whiten_stats=N
     return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, alg.norm_adv_by_std_in_grpo)
 
 
+@torch.no_grad()
+def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index):
+    """RLOO advantages [batch, response_len]: score minus the mean score of the other responses to
+    the same prompt (`index`: one id per row); a lone response keeps its score. returns == advantages."""
+    scores = token_level_rewards.sum(dim=-1)
+    keys = index.tolist() if hasattr(index, "tolist") else list(index)
+    if len(keys) != scores.shape[0]:
+        raise ValueError(f"index has {len(keys)} ids for {scores.shape[0]} responses")
+    group_of = {}
+    gid = torch.tensor([group_of.setdefault(k, len(group_of)) for k in keys], device=scores.device)
+    zeros = scores.new_zeros(len(group_of))
+    count = zeros.index_add(0, gid, torch.ones_like(scores))[gid]
+    total = zeros.index_add(0, gid, scores)[gid]
+    others_mean = (total - scores) / (count - 1).clamp(min=1)
+    adv = torch.where(count > 1, scores - others_mean, scores)
+    advantages = adv.unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages
+
+
+def _rloo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None):
+    return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
 ESTIMATORS = {
     "gae": Estimator(_gae, needs_critic=True, grouped=False),
     "grpo": Estimator(_grpo, needs_critic=False, grouped=True),
+    "rloo": Estimator(_rloo, needs_critic=False, grouped=True),
 }

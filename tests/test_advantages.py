@@ -156,3 +156,43 @@ def test_estimator_table_calls_each_function_with_one_signature():
         assert torch.equal(adv, want_adv) and torch.equal(ret, want_ret), name
     assert ESTIMATORS["gae"].needs_critic and not ESTIMATORS["gae"].grouped
     assert not ESTIMATORS["grpo"].needs_critic and ESTIMATORS["grpo"].grouped
+
+
+def rloo_reference(scores, ids):
+    """Python loop: each score minus the plain mean of the other scores of its group (a lone
+    response keeps its score)."""
+    out = []
+    for i, (s, g) in enumerate(zip(scores, ids)):
+        others = [scores[j] for j in range(len(scores)) if ids[j] == g and j != i]
+        out.append(s - sum(others) / len(others) if others else s)
+    return out
+
+
+def test_rloo_matches_leave_one_out_loop():
+    from types import SimpleNamespace
+
+    from nanokl.advantages import ESTIMATORS, compute_rloo_outcome_advantage
+    B, T = 9, 6
+    rewards = torch.zeros(B, T, dtype=torch.float64)
+    mask = right_padded_mask([6, 2, 4, 5, 1, 3, 6, 6, 2], T)
+    lengths = mask.sum(-1).long()
+    rewards[torch.arange(B), lengths - 1] = torch.randn(B, dtype=torch.float64)
+    rewards[0, 0] = 0.5  # a dense reward too: the score is the row sum
+    ids = ["a", "b", "a", "c", "b", "a", "b", "d", "a"]  # a:4, b:3, c:1, d:1
+    adv, ret = compute_rloo_outcome_advantage(rewards, mask, ids)
+    expected = rloo_reference(rewards.sum(-1).tolist(), ids)
+    for i in range(B):
+        for t in range(T):
+            want = expected[i] if mask[i, t] > 0 else 0.0
+            assert adv[i, t].item() == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert torch.equal(adv, ret)
+    # through the table, with the one signature train_ppo uses; no critic, grouped by prompt
+    est = ESTIMATORS["rloo"]
+    assert not est.needs_critic and est.grouped
+    adv2, _ = est.fn(rewards, mask, None, ids, SimpleNamespace(), None)
+    assert torch.equal(adv, adv2)
+    # k/(k-1) times GRPO's un-normalised advantage, for the groups of size > 1
+    grpo, _ = compute_grpo_outcome_advantage(rewards, mask, ids, norm_adv_by_std=False)
+    for i, k in enumerate([4, 3, 4, 1, 3, 4, 3, 1, 4]):
+        if k > 1:
+            assert adv[i, 0].item() == pytest.approx(k / (k - 1) * grpo[i, 0].item(), rel=1e-12)
