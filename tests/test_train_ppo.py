@@ -1,7 +1,9 @@
 """train_ppo.py end to end, on a tiny warm start made once for the module:
 
-- a few-step smoke run for each of KL-in-reward, KL-loss and GRPO: every metric finite, verl's
-  metric names present;
+- a few-step smoke run for each of KL-in-reward, KL-loss and GRPO, and for the exact `full` KL
+  in the reward and as the loss: every metric finite, verl's metric names present;
+- the per-token `full` KL that a run puts in the reward equals torch's kl_div recomputed on a
+  micro-batch of the same step, from plain full forwards of copies of the two models;
 - exact resume: 4 steps straight and 2 + resume + 2 give bit-identical weights and beta;
 - a crash while a checkpoint is written leaves the previous checkpoint loadable;
 - a bad config key, a missing model directory and a malformed data line each exit with status 2
@@ -50,6 +52,11 @@ COMMON_KEYS = ["actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entr
     ("grpo", ["--config", str(ROOT / "configs" / "grpo_arith.yaml"), "actor_rollout_ref.rollout.n=4",
               "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
      ["actor/kl_loss", "critic/advantages/mean"]),
+    ("full_in_reward", ["algorithm.kl_penalty=full"],
+     ["actor/reward_kl_penalty", "actor/reward_kl_k1", "actor/reward_kl_k3", "critic/vf_loss"]),
+    ("full_loss", ["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
+                   "actor_rollout_ref.actor.kl_loss_type=full"],
+     ["actor/kl_loss", "actor/kl_loss_k1", "actor/kl_loss_k3", "actor/kl_coef"]),
 ])
 def test_smoke_runs(sft_dir, tmp_path, name, extra, keys):
     rows = run(sft_dir, tmp_path, *extra)
@@ -67,6 +74,44 @@ def test_smoke_runs(sft_dir, tmp_path, name, extra, keys):
         assert "critic/vf_loss" not in last  # no critic
     # rollout log-probs and the recomputed ones agree to float error (same weights, same formula)
     assert last["rollout/log_prob_max_diff"] < 1e-4
+
+
+def test_full_kl_in_the_reward_equals_kl_div_recomputed(sft_dir, tmp_path, monkeypatch):
+    """Catch what the run hands compute_full_kl (the models and the step's batch), recompute the
+    exact KL of a micro-batch with plain forwards and torch's kl_div, and check it against what the
+    run computed and logged (actor/reward_kl_penalty: per-response token means, averaged)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from nanokl import dist, workers
+    seen = []
+    original = workers.compute_full_kl
+
+    def spy(actor, ref, batch, temperature, spec):
+        out = original(actor, ref, batch, temperature, spec)
+        models = copy.deepcopy(dist.unwrap(actor)).double(), copy.deepcopy(dist.unwrap(ref)).double()
+        seen.append((models, {k: v.clone() for k, v in batch.items()}, temperature, out))
+        return out
+    monkeypatch.setattr(workers, "compute_full_kl", spy)
+    rows = run(sft_dir, tmp_path, "algorithm.kl_penalty=full", "trainer.test_freq=-1")
+    assert len(seen) == 2  # one per step
+    for step, ((policy, ref), batch, temperature, out) in enumerate(seen, start=1):
+        mask = batch["response_mask"]
+        for i in range(3):  # a micro-batch of three responses, each forwarded on its own, unpadded
+            real = batch["attention_mask"][i].bool()
+            seq = batch["sequences"][i][real][None]
+            n_resp = int(mask[i].sum())
+            logits = [m(seq)[0, -n_resp - 1:-1] / temperature for m in (policy, ref)]
+            logp, ref_logp = (F.log_softmax(z, dim=-1) for z in logits)
+            want = F.kl_div(ref_logp, logp, log_target=True, reduction="none").sum(-1)
+            torch.testing.assert_close(out[i][:n_resp].double(), want, rtol=1e-4, atol=1e-6)
+            assert torch.all(out[i][n_resp:] == 0)  # right padding carries no KL
+        per_response = (out * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        logged = rows[step]["actor/reward_kl_penalty"]
+        assert logged == pytest.approx(per_response.mean().item(), rel=1e-5)
+        # the estimators on the same tokens, beside it: k1 and k3 are estimates of the same KL
+        assert math.isfinite(rows[step]["actor/reward_kl_k1"]) and rows[step]["actor/reward_kl_k3"] >= 0
 
 
 def weights(path):
