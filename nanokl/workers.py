@@ -12,7 +12,7 @@ After rollout, a PPO step runs the same few forwards over a batch of sequences
     update_critic             the same loop with the clipped value loss
 
 The log-prob of response token t comes from the logits at position P+t-1 (the token before it),
-divided by the sampling temperature so that it is the quantity the rollout recorded (design.md);
+divided by the sampling temperature so that it is the quantity the rollout recorded (nanokl/rollout.py);
 only those R positions go through the LM head (`logits_to_keep`), which saves a [N, P, V] matrix.
 Values are read at the same positions: V(s_t) is the critic's output on the prefix that
 precedes token t.

@@ -90,7 +90,7 @@ def test_dataclass_defaults_are_verls():
     assert list(cfg.actor_rollout_ref.actor.optim.betas) == [0.9, 0.999]
 
 
-def test_kl_kinds_and_loss_modes_are_the_design_lists():
+def test_kl_kinds_and_loss_modes_are_the_documented_lists():
     assert set(KL_KINDS) == {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
                              "k1+", "kl+", "abs+", "k3+", "low_var_kl+"}
     assert set(LOSS_AGG_MODES) == {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean",

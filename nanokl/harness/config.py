@@ -60,8 +60,8 @@ MonitorAction = Literal["warn", "stop", "rollback"]  # what a failing KL-monitor
 
 @dataclass
 class DataConfig:
-    train_files: Union[str, list[str], None] = None  # JSONL/Parquet prompt file(s); None or "" -> built-in `task`
-    val_files: Union[str, list[str], None] = None  # validation prompt file(s); None or "" -> built-in `task`
+    train_files: Union[str, list[str], None] = None  # JSONL/Parquet prompt file(s) of a file task (gsm8k)
+    val_files: Union[str, list[str], None] = None  # validation prompt file(s); None or "": no validation set
     prompt_key: str = "prompt"  # field holding the prompt (a string, or a list of chat messages)
     reward_fn_key: str = "data_source"  # field naming the rule-based scorer for that row
     max_prompt_length: int = 512  # longest prompt in tokens; longer ones follow `truncation`

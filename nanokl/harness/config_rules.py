@@ -43,7 +43,7 @@ def _or(value, default):
 
 
 def _file_list(files):
-    """None, "" or [] -> None (the built-in task); "a.jsonl" -> ["a.jsonl"]."""
+    """None, "" or [] -> None (no files: a task that makes its own examples); "a.jsonl" -> ["a.jsonl"]."""
     if not files:
         return None
     return [files] if isinstance(files, str) else list(files)

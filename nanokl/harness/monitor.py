@@ -7,9 +7,8 @@ as far as the reference (and, with a learned reward, the region the reward model
 stays believable (Ziegler et al. 2019; Ouyang et al. 2022; Gao et al. 2023 on reward
 over-optimisation). The adaptive controller (nanokl/kl_ctrl.py) steers the *mean* KL; the failures
 a mean hides, and the ones a controller cannot fix, show in other numbers of the step. The
-monitoring checklist of the project's background article on tuning verl's KL thresholds
-(../shared/background/verl-kl-threshold-tuning.zh.txt; its numbers are practitioners' rules of
-thumb, not measurements) (KL mean
+monitoring checklist of a practitioners' guide to tuning verl's KL thresholds (its numbers are
+rules of thumb, not measurements) (KL mean
 0.02-0.08, KL variance < 0.05, policy entropy > 0.2, reward variance < 2.0; early stop when KL >
 0.2 five times in a row; roll back to the last checkpoint) becomes five checks on every step:
 
