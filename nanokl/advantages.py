@@ -106,6 +106,17 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
     return advantages, returns
 
 
+def group_ids(index, scores):
+    """(a group number per row as a tensor, the number of groups) from one hashable prompt id per
+    row (a list, numpy array or tensor); the outcome estimators' baselines are per group."""
+    keys = index.tolist() if hasattr(index, "tolist") else list(index)
+    if len(keys) != scores.shape[0]:
+        raise ValueError(f"index has {len(keys)} ids for {scores.shape[0]} responses")
+    group_of = {}
+    gid = torch.tensor([group_of.setdefault(k, len(group_of)) for k in keys], device=scores.device)
+    return gid, len(group_of)
+
+
 @torch.no_grad()
 def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
                                    norm_adv_by_std=True, eps=1e-6):
@@ -115,13 +126,7 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
         form a group.
     """
     scores = token_level_rewards.sum(dim=-1)
-    keys = index.tolist() if hasattr(index, "tolist") else list(index)
-    if len(keys) != scores.shape[0]:
-        raise ValueError(f"index has {len(keys)} ids for {scores.shape[0]} responses")
-    group_of = {}
-    gid = torch.tensor([group_of.setdefault(k, len(group_of)) for k in keys], device=scores.device)
-    n_groups = len(group_of)
-
+    gid, n_groups = group_ids(index, scores)
     zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, gid, torch.ones_like(scores))
     mean = zeros.index_add(0, gid, scores) / count
@@ -167,12 +172,8 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index):
     """RLOO advantages [batch, response_len]: score minus the mean score of the other responses to
     the same prompt (`index`: one id per row); a lone response keeps its score. returns == advantages."""
     scores = token_level_rewards.sum(dim=-1)
-    keys = index.tolist() if hasattr(index, "tolist") else list(index)
-    if len(keys) != scores.shape[0]:
-        raise ValueError(f"index has {len(keys)} ids for {scores.shape[0]} responses")
-    group_of = {}
-    gid = torch.tensor([group_of.setdefault(k, len(group_of)) for k in keys], device=scores.device)
-    zeros = scores.new_zeros(len(group_of))
+    gid, n_groups = group_ids(index, scores)
+    zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, gid, torch.ones_like(scores))[gid]
     total = zeros.index_add(0, gid, scores)[gid]
     others_mean = (total - scores) / (count - 1).clamp(min=1)

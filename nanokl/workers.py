@@ -79,7 +79,7 @@ import torch
 from nanokl import dist
 from nanokl.batching import Batching, pack, split
 from nanokl.kl import kl_penalty
-from nanokl.masked import masked_mean
+from nanokl.masked import masked_mean, zero_masked
 from nanokl.ppo import (agg_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
                         logprobs_from_logits)
 
@@ -123,6 +123,13 @@ def critic_values(critic, mb, packed=False):
     return critic(mb["sequences"], mb["attention_mask"], mb["position_ids"])[:, -R - 1:-1].float()
 
 
+def forward_micro_batches(batch, spec):
+    """(rows, sub-batch) of each non-empty micro-batch of a no-grad forward pass."""
+    for rows in split(batch, spec, agreed_count):
+        if rows:
+            yield rows, take(batch, rows)
+
+
 @torch.no_grad()
 def compute_log_probs(model, batch, temperature, spec=Batching(), with_entropy=False):
     """Log-prob of each response token under `model` ([N, R]), and its entropy if asked."""
@@ -130,10 +137,7 @@ def compute_log_probs(model, batch, temperature, spec=Batching(), with_entropy=F
     mask = batch["response_mask"]
     logp = torch.zeros(mask.shape, device=mask.device)
     ent = torch.zeros(mask.shape, device=mask.device) if with_entropy else None
-    for rows in split(batch, spec, agreed_count):
-        if not rows:
-            continue
-        mb = take(batch, rows)
+    for rows, mb in forward_micro_batches(batch, spec):
         with autocast(mask.device):
             logits = response_logits(model, mb, temperature, spec.packed)
         logp[rows] = logprobs_from_logits(logits, mb["responses"])
@@ -154,14 +158,11 @@ def compute_full_kl(actor, ref, batch, temperature, spec=Batching()):
     actor, ref = dist.unwrap(actor), dist.unwrap(ref)
     mask = batch["response_mask"]
     out = torch.zeros(mask.shape, device=mask.device)
-    for rows in split(batch, spec, agreed_count):
-        if not rows:
-            continue
-        mb = take(batch, rows)
+    for rows, mb in forward_micro_batches(batch, spec):
         with autocast(mask.device):
             logits = response_logits(actor, mb, temperature, spec.packed)
             ref_logits = response_logits(ref, mb, temperature, spec.packed)
-        out[rows] = kl_penalty(None, None, "full", logits, ref_logits) * mb["response_mask"]
+        out[rows] = zero_masked(kl_penalty(None, None, "full", logits, ref_logits), mb["response_mask"])
         del logits, ref_logits  # else they stay alive through the next micro-batch's forwards
     return out
 
@@ -170,10 +171,9 @@ def compute_full_kl(actor, ref, batch, temperature, spec=Batching()):
 def compute_values(critic, batch, spec=Batching()):
     critic = dist.unwrap(critic)
     out = torch.zeros(batch["response_mask"].shape, device=batch["responses"].device)
-    for rows in split(batch, spec, agreed_count):
-        if rows:
-            with autocast(out.device):
-                out[rows] = critic_values(critic, take(batch, rows), spec.packed)
+    for rows, mb in forward_micro_batches(batch, spec):
+        with autocast(out.device):
+            out[rows] = critic_values(critic, mb, spec.packed)
     return out
 
 
