@@ -48,7 +48,7 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator must be one of gae, grpo; got 'ppo'"),
+    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator must be one of gae, grpo"),  # ... and every later estimator
     ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type must be one of fixed, adaptive"),
     ("algorithm.kl_penalty=k9", "algorithm.kl_penalty must be one of kl, k1, abs, mse, k2, low_var_kl, k3, full"),
     ("actor_rollout_ref.actor.kl_loss_type=kl++", "actor_rollout_ref.actor.kl_loss_type must be one of"),

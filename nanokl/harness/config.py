@@ -36,7 +36,6 @@ each kind against the files themselves.
 
 import dataclasses
 import sys
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Optional, Union
