@@ -143,6 +143,7 @@ def compute_log_probs(model, batch, temperature, spec=Batching(), with_entropy=F
         logp[rows] = logprobs_from_logits(logits, mb["responses"])
         if with_entropy:
             ent[rows] = entropy_from_logits(logits)
+        del logits  # else the [n, R, V] logits stay alive through the next micro-batch's forward
     return logp, ent
 
 
