@@ -55,10 +55,9 @@ nanokl/workers.py computes it micro-batch by micro-batch and keeps only the [bat
 `workers.compute_full_kl` for the KL in the reward (algorithm.kl_penalty=full), and
 `workers.update_actor(..., ref=ref)` for the KL as a loss (actor.kl_loss_type=full), where the
 gradient is the exact ∇_θ KL(π_θ‖π_ref) of each position's next-token distribution, without the
-sampling noise of any estimator. The price is memory: per micro-batch of mb responses, a peak of
-24·mb·R·V bytes in the reward pass and 28·mb·R·V bytes (20·mb·R·V of it kept for the backward)
-in the loss with its entropy bonus, i.e. 14.9 GB and 17.4 GB for mb = 8, R = 512 and Qwen2.5's
-V = 151936; nanokl/workers.py counts the tensors.
+sampling noise of any estimator. The price is memory: a few fp32 [mb, R, V] tensors per
+micro-batch of mb responses (nanokl/workers.py counts them: about 14 GiB for mb = 8, R = 512 and
+Qwen2.5's V = 151936).
 
 The lesson is in the logs. With `full` the trainer also logs k1 and k3 on the same tokens
 (actor/reward_kl_k1, actor/reward_kl_k3 beside actor/reward_kl_penalty; actor/kl_loss_k1,
