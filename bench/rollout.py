@@ -1,7 +1,12 @@
 """Rollout throughput: nanokl vs a no-cache loop vs Hugging Face `generate`, side by side.
 
     python bench/rollout.py                      # CPU: 4M and 25M models, batch 1/8/32
-    python bench/rollout.py --device cuda        # GPU: + 0.5B shape, batch 64/256, graphs on/off
+    python bench/rollout.py --device cuda        # GPU: + 0.5B shape, batch 1/32/128/256; the peers
+                                                 #   (no graphs, naive, HF) at one batch each
+    python bench/rollout.py --sizes tiny --batches 1,4 --new-tokens 8 --rounds 1   # smoke (tests/test_bench.py)
+
+With --out, the markdown table is written row by row as each (model, batch) finishes, so a run cut
+short by a timeout keeps what it measured.
 
 Every row decodes greedily from random-init Qwen2-shaped weights, EOS ignored, prompt 32 tokens,
 128 new tokens. The peers run the *same weights*: nanokl writes them with `save_pretrained`,
@@ -38,6 +43,8 @@ from nanokl import model as M  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
 
 SHAPES = {  # Qwen2-shaped (GQA, qkv bias, tied embeddings); parameter counts printed in the table
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),  # the smoke test's: seconds on a CPU
     "4m": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2),
     "25m": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -139,10 +146,21 @@ def worker(args):
             dt = time.perf_counter() - t
             if rnd > 0:
                 best[impl] = min(best.get(impl, dt), dt)
+    peak = {}
+    if dev.type == "cuda":  # allocator statistics are exact on CUDA: no fresh process needed
+        for impl in impls:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            runs[impl]()
+            torch.cuda.synchronize()
+            peak[impl] = (torch.cuda.max_memory_allocated() - base) / 2**20
     for impl in impls:
         params = sum(p.numel() for p in models[impl].parameters())
         out = dict(impl=impl, size=args.size, batch=args.batch, params=params, seconds=best[impl],
                    tok_s=args.batch * args.new_tokens / best[impl])
+        if impl in peak:
+            out["peak_mb"] = peak[impl]
         if dev.type == "cuda" and args.batch == 1 and impl == "nanokl":
             out.update(bandwidth_floor(models[impl], args))
         print(json.dumps(out), flush=True)
@@ -193,38 +211,61 @@ def bandwidth_floor(model, args):
     ids = torch.randint(3, cfg.vocab_size, (1, args.prompt_len), device="cuda")
     mask = torch.ones_like(ids)
 
-    def timed(n):
+    def timed(n, graphs=True):
         best = float("inf")
         for _ in range(3):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            generate(model, ids, mask, n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            generate(model, ids, mask, n, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=graphs)
             torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t)
         return best
 
     step = (timed(args.new_tokens) - timed(1)) / (args.new_tokens - 1)
+    eager_step = (timed(args.new_tokens, False) - timed(1, False)) / (args.new_tokens - 1)
     floor = (w_bytes + kv_bytes) / bw
-    return dict(copy_gb_s=bw / 1e9, step_ms=step * 1e3, floor_ms=floor * 1e3, step_over_floor=step / floor)
+    return dict(copy_gb_s=bw / 1e9, step_ms=step * 1e3, eager_step_ms=eager_step * 1e3, floor_ms=floor * 1e3,
+                step_over_floor=step / floor, kernels_per_step=kernels_per_step(model, ids, mask))
 
 
-def main():
+def kernels_per_step(model, ids, mask, n=9):
+    """CUDA kernels one decode step launches (what one graph replay runs): kernels of an eager
+    generation of n tokens minus those of 1 token, over n - 1, counted by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def count(tokens):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(model, ids, mask, tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                     use_cuda_graph=False)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    return (count(n) - count(1)) / (n - 1)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--sizes", default=None, help="comma list of 4m,25m,0.5b (default: CPU 4m,25m; CUDA all)")
-    ap.add_argument("--batches", default=None, help="comma list (default: CPU 1,8,32; CUDA 1,8,32,64,256)")
+    ap.add_argument("--sizes", default=None, help="comma list of tiny,4m,25m,0.5b (default: CPU 4m,25m; CUDA 4m,25m,0.5b)")
+    ap.add_argument("--batches", default=None, help="comma list (default: CPU 1,8,32; CUDA 1,32,128,256)")
     ap.add_argument("--impls", default=None, help="comma list of nanokl,nanokl-eager,naive,hf")
+    ap.add_argument("--impl-batches", default=None,
+                    help="restrict implementations to some batches, e.g. 'hf=32,nanokl-eager=1' (default on CUDA: "
+                         "hf=32,naive=1,nanokl-eager=1: the peers at one batch, graphs measured everywhere)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds, implementations alternating; best kept")
+    ap.add_argument("--memory", choices=["auto", "on", "off"], default="auto",
+                    help="CPU peak memory in a fresh process per implementation (auto: on for CPU; CUDA measures "
+                         "peak memory in the timing process)")
     ap.add_argument("--naive-max-batch", type=int, default=1 << 30, help="skip the naive loop above this batch")
     ap.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "nanokl_bench_ckpts"))
-    ap.add_argument("--out", default=None, help="also write the markdown table and JSON rows here")
+    ap.add_argument("--out", default=None, help="write the markdown table here, row by row as measured")
     ap.add_argument("--worker", choices=["time", "memory"], help=argparse.SUPPRESS)
     ap.add_argument("--impl", help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker == "time":
         return worker(args)
     if args.worker == "memory":
@@ -232,56 +273,106 @@ def main():
 
     cuda = args.device.startswith("cuda")
     sizes = (args.sizes or ("4m,25m,0.5b" if cuda else "4m,25m")).split(",")
-    batches = [int(b) for b in (args.batches or ("1,8,32,64,256" if cuda else "1,8,32")).split(",")]
+    batches = [int(b) for b in (args.batches or ("1,32,128,256" if cuda else "1,8,32")).split(",")]
     impls = (args.impls or ("nanokl,nanokl-eager,naive,hf" if cuda else "nanokl,naive,hf")).split(",")
-    args.impls = ",".join(impls)
-    rows = []
+    only = parse_impl_batches(args.impl_batches if args.impl_batches is not None
+                              else ("hf=32,naive=1,nanokl-eager=1" if cuda else ""))
+    memory = args.memory == "on" or (args.memory == "auto" and not cuda)
     print(f"# rollout benchmark: device={args.device} prompt={args.prompt_len} new={args.new_tokens} "
           f"torch={torch.__version__} threads={torch.get_num_threads()}", flush=True)
     common = ["--device", args.device, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
               "--ckpt-dir", args.ckpt_dir]
+    rows = []
+    table = Table(args.out, impls)
     for size in sizes:
         make_checkpoint(size, args.ckpt_dir)
         for batch in batches:
-            # naive at the biggest CPU shapes takes minutes per run; --naive-max-batch bounds it
-            todo = [i for i in impls if i != "naive" or batch <= args.naive_max_batch]
+            todo = [i for i in impls if batch in only.get(i, [batch])
+                    and (i != "naive" or batch <= args.naive_max_batch)]  # naive: minutes per run at big shapes
+            if not todo:
+                continue
             cmd = [sys.executable, __file__, "--worker", "time", "--impls", ",".join(todo), "--size", size,
                    "--batch", str(batch), "--rounds", str(args.rounds)] + common
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 print(f"{size} b{batch} failed:\n{res.stderr[-3000:]}", flush=True)
+                table.note(f"{size} batch {batch}: failed ({res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode})")
                 continue
             got = [json.loads(line) for line in res.stdout.strip().splitlines() if line.startswith("{")]
             for row in got:
-                mem = subprocess.run([sys.executable, __file__, "--worker", "memory", "--impl", row["impl"], "--size",
-                                      size, "--batch", str(batch)] + common, capture_output=True, text=True)
-                row["peak_mb"] = json.loads(mem.stdout.strip().splitlines()[-1])["peak_mb"] if mem.returncode == 0 \
-                    else float("nan")
+                if memory:
+                    mem = subprocess.run([sys.executable, __file__, "--worker", "memory", "--impl", row["impl"],
+                                          "--size", size, "--batch", str(batch)] + common, capture_output=True, text=True)
+                    row["peak_mb"] = json.loads(mem.stdout.strip().splitlines()[-1])["peak_mb"] \
+                        if mem.returncode == 0 else float("nan")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    table = format_table(rows, impls)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n\n```\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n")
+            table.add(got)
+    text = format_table(rows, impls)
+    print(text)
+    return rows
+
+
+def parse_impl_batches(spec):
+    """'hf=32,nanokl-eager=1' -> {"hf": [32], "nanokl-eager": [1]} (implementations not named: every batch)."""
+    only = {}
+    for item in filter(None, spec.split(",")):
+        impl, _, batch = item.partition("=")
+        only.setdefault(impl, []).append(int(batch))
+    return only
+
+
+class Table:
+    """The markdown table written row by row as each (size, batch) is measured, so that a run cut
+    short by a timeout still leaves every row it finished (the JSON of every row below it)."""
+
+    def __init__(self, path, impls):
+        self.path, self.impls, self.rows, self.notes, self.json = (Path(path) if path else None), impls, [], [], []
+        self._write()
+
+    def add(self, got):
+        self.rows.append(format_row(got, self.impls))
+        self.notes += [format_floor(r) for r in got if "floor_ms" in r]
+        self.json += [json.dumps(r) for r in got]
+        self._write()
+
+    def note(self, text):
+        self.notes.append(text)
+        self._write()
+
+    def _write(self):
+        if self.path:
+            parts = [table_head(self.impls), *self.rows, "", *self.notes, "", "```", *self.json, "```"]
+            self.path.write_text("\n".join(parts) + "\n")
+
+
+def table_head(impls):
+    head = "| model | params | batch | " + " | ".join(f"{i} tok/s" for i in impls) + " | nanokl / hf | " + \
+           " | ".join(f"{i} peak MB" for i in impls) + " |"
+    return head + "\n|" + "---|" * (head.count("|") - 1)
+
+
+def format_row(got, impls):
+    by = {r["impl"]: r for r in got}
+    first = next(iter(by.values()))
+    ratio = by["nanokl"]["tok_s"] / by["hf"]["tok_s"] if "nanokl" in by and "hf" in by else float("nan")
+    return (f"| {first['size']} | {first['params'] / 1e6:.1f}M | {first['batch']} | "
+            + " | ".join(f"{by[i]['tok_s']:.0f}" if i in by else "-" for i in impls)
+            + (f" | {ratio:.2f}x | " if ratio == ratio else " | - | ")
+            + " | ".join(f"{by[i]['peak_mb']:.0f}" if i in by and "peak_mb" in by[i] else "-" for i in impls) + " |")
+
+
+def format_floor(r):
+    return (f"batch-1 decode step, {r['size']}: {r['step_ms']:.3f} ms with graphs, {r['eager_step_ms']:.3f} ms "
+            f"without, vs floor {r['floor_ms']:.3f} ms ({r['step_over_floor']:.2f}x; copy bandwidth "
+            f"{r['copy_gb_s']:.0f} GB/s); {r['kernels_per_step']:.0f} CUDA kernels per decode step (= per replay)\n")
 
 
 def format_table(rows, impls):
-    head = "| model | params | batch | " + " | ".join(f"{i} tok/s" for i in impls) + " | nanokl / hf | " + \
-           " | ".join(f"{i} peak MB" for i in impls) + " |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     keys = sorted({(r["size"], r["batch"]) for r in rows}, key=lambda k: (list(SHAPES).index(k[0]), k[1]))
-    for size, batch in keys:
-        by = {r["impl"]: r for r in rows if r["size"] == size and r["batch"] == batch}
-        params = next(iter(by.values()))["params"]
-        ratio = by["nanokl"]["tok_s"] / by["hf"]["tok_s"] if "nanokl" in by and "hf" in by else float("nan")
-        lines.append(f"| {size} | {params / 1e6:.1f}M | {batch} | "
-                     + " | ".join(f"{by[i]['tok_s']:.0f}" if i in by else "-" for i in impls)
-                     + f" | {ratio:.2f}x | "
-                     + " | ".join(f"{by[i]['peak_mb']:.0f}" if i in by else "-" for i in impls) + " |")
-    floors = [r for r in rows if "floor_ms" in r]
-    for r in floors:
-        lines.append(f"\nbatch-1 decode step, {r['size']}: {r['step_ms']:.3f} ms vs floor {r['floor_ms']:.3f} ms "
-                     f"({r['step_over_floor']:.2f}x; copy bandwidth {r['copy_gb_s']:.0f} GB/s)")
+    lines = [table_head(impls)]
+    lines += [format_row([r for r in rows if (r["size"], r["batch"]) == k], impls) for k in keys]
+    lines += [""] + [format_floor(r) for r in rows if "floor_ms" in r]
     return "\n".join(lines)
 
 
