@@ -7,8 +7,8 @@ nothing to batch across time. The recipe that makes it fast is small (gpt-fast, 
 
 1. Prefill once. The left-padded prompts [B, P] run through the model in one forward that writes
    every layer's keys/values into a preallocated `KVCache` (nanokl/model.py), slots 0..P-1.
-   With `n` samples per prompt the prefill still runs on B rows; the cache rows are then
-   repeated n times, so the prompt is never recomputed.
+   With `n` samples per prompt the prefill still runs on B rows; the prompt slots of the cache
+   rows are then repeated n times, so the prompt is never recomputed.
 2. Decode with fixed shapes. Each step feeds one token per row at cache slot P+t and reads the
    logits of that one position. Shapes and storage never change between steps, so on CUDA the
    whole step (forward, sampling, EOS bookkeeping, writing the outputs) is captured once into a
@@ -33,27 +33,65 @@ of decode steps actually run (at most `max_new_tokens`; generation stops when ev
 emitted an EOS). `response_mask` is 1 up to and including the first EOS; later tokens are pad.
 `attention_mask` and `position_ids` cover the whole sequence, ready for the training forward.
 
-CUDA graphs and weight updates. A graph replays kernels on fixed *addresses*: it reads the
-weights from the storage they had at capture. The PPO update must therefore change the actor's
-(or the bf16 rollout copy's) parameters in place (`optimizer.step()`, `param.copy_()`), never
-rebind them; then the next replay sees the new weights for free. If the storage does change
-(`model.to()`, loading a new module), the engine notices (it records every parameter's
-data_ptr at capture) and captures again. One graph is captured per batch-size bucket (1, 2, 4, ...)
-and sampling setting, all sharing one memory pool; a batch runs in the smallest bucket that fits,
-the extra rows computing garbage that is never read.
+The CUDA-graph engine
+---------------------
+A graph replays kernels on fixed *addresses*, so everything it touches must be allocated once and
+kept: the engine of a model (`GraphEngine`, one per model, found by `generate`) owns
+
+- the buffers, sized once: a KV cache and a `DecodeState` of `max_batch` rows (rounded up to a
+  bucket) by `max_len` = longest prompt + response slots. A training run sizes it from its config
+  before the first step (`make_engine`, called by nanokl/harness/run.py: rows per rank
+  train_batch_size / W x n, or the validation chunk if larger). Batch buckets follow nano-vllm:
+  1, 2, 4, 8, then multiples of 16 up to the first one that holds max_batch; a batch runs in the
+  smallest bucket that fits it (165 rows run in 176, not 256), the extra rows computing garbage
+  that is never read.
+- the graphs: one captured decode step per key (bucket, sampling settings, EOS ids, pad id),
+  captured on its first use and then replayed for the engine's life. Nothing in the key names an
+  object: a fresh generator every PPO step must not mean a fresh capture every step.
+- its own random generator, registered with every graph (a graph replays the random kernels of
+  the generators registered with it, advancing their offsets). The caller's generator state is
+  copied into it before the prefill and copied back after the last step, so a seed chooses the
+  tokens exactly as in eager decoding and the caller's generator advances as if it had drawn them.
+
+A call that does not fit (more rows or more slots than sized, or weights moved to new storage by
+`model.to()` / a new module: their old addresses are what the graphs read) *rebuilds* the engine:
+new buffers, every graph dropped and captured again on use, `rebuilds` counted. Rebuilding rather
+than refusing keeps `generate` a plain library call (generate.py and the benchmarks never size an
+engine; the first call sizes it, slots rounded up to 128); in training it is a sizing bug, which
+`engine_stats` shows and tests/test_rollout_graphs.py keeps at zero. The PPO update must change the
+parameters in place (`optimizer.step()`, `param.copy_()`) so the next replay sees the new weights
+for free.
+
+`engine_stats(model)` -> {"captures", "rebuilds", "graphs", "buckets", "max_len"}: graphs captured
+and rebuilds since `make_engine` (or the first call), live graphs, and the sizing; a 4-step PPO run
+should show one capture per (bucket, sampling setting) it used and no rebuild.
+
+The CUDA graph API is reached through `graph_api` only, so the CPU tests can swap in a stand-in
+that records the step's aten ops at capture and re-executes them on replay.
 
 Tests: tests/test_rollout.py (greedy equals argmax over full forwards without cache; returned
 log-probs equal a training forward; top-k/top-p never sample outside the allowed set; seeded
-sampling frequencies pass a chi-square test; EOS and masks) and tests/test_rollout_cuda.py (graph
-replay equals eager; a weight update is seen by the replayed graph).
+sampling frequencies pass a chi-square test; EOS and masks), tests/test_rollout_graphs.py (on CPU,
+with the recording stand-in: captures once per bucket over a simulated PPO run with new seeds
+each step; seeds honoured; replay equals eager; the step never syncs with the host and writes only
+into the engine's buffers) and tests/test_rollout_cuda.py (on a GPU: replay equals eager in fp32,
+and in bf16 the graph's tokens agree with a teacher-forced forward; a weight update is seen by the
+replayed graph; moved weights are captured again).
 """
 
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from nanokl.model import KVCache
+
+# The CUDA graph API, reached only through here: tests/test_rollout_graphs.py swaps in a stand-in
+# that records and replays on CPU. Graphs run on `device_type`.
+graph_api = SimpleNamespace(device_type="cuda", CUDAGraph=torch.cuda.CUDAGraph, graph=torch.cuda.graph,
+                            Stream=torch.cuda.Stream, stream=torch.cuda.stream,
+                            current_stream=torch.cuda.current_stream, graph_pool_handle=torch.cuda.graph_pool_handle)
 
 
 @dataclass
@@ -142,7 +180,8 @@ def decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator=
 def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0,
              do_sample=True, eos_token_id=None, pad_token_id=0, generator=None, use_cuda_graph=None,
              n=1) -> RolloutOutput:
-    """Sample `n` responses per left-padded prompt; see the module docstring for the layout."""
+    """Sample `n` responses per left-padded prompt; see the module docstring for the layout.
+    `use_cuda_graph` (default: on CUDA) replays the decode step from the model's graph engine."""
     with torch.inference_mode():
         out = _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, do_sample,
                         eos_token_id, pad_token_id, generator, use_cuda_graph, n)
@@ -158,32 +197,32 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top
     eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     eos_ids = torch.tensor(eos, dtype=torch.long, device=dev)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
-    if use_cuda_graph is None:
-        use_cuda_graph = dev.type == "cuda"
-    use_cuda_graph = use_cuda_graph and dev.type == "cuda"
-    dtype = next(model.parameters()).dtype
+    graphs_here = dev.type == graph_api.device_type
+    use_cuda_graph = graphs_here if use_cuda_graph is None else bool(use_cuda_graph) and graphs_here
 
     if use_cuda_graph:
-        engine = _graph_engine(model, N, P + R, dtype)
-        cache, full_state = engine.cache, engine.state
-        bucket = engine.bucket(N)
-        state = full_state.rows(N)
+        engine = _engine_for(model, N, P + R)
+        cache, state = engine.cache, engine.state.rows(N)
         # capture (first use only) before the prefill: the warm-up runs scribble on the cache
-        graph = engine.graph(model, bucket, eos, pad_token_id, sampling, generator) if R > 1 else None
+        graph = engine.graph(model, engine.bucket(N), eos, pad_token_id, sampling) if R > 1 else None
+        caller_gen = generator if generator is not None else _default_generator(dev)
+        generator = engine.gen  # the one the graphs draw from: it takes over the caller's state
+        generator.set_state(caller_gen.get_state())
+        prefill_cache = cache.view(rows=B, slots=P)  # the prompt needs only its own slots
     else:
-        cache = KVCache(model.config, N, P + R, device=dev, dtype=dtype)
+        cache = KVCache(model.config, N, P + R, device=dev, dtype=next(model.parameters()).dtype)
         state = DecodeState(N, max(R, 1), dev)
+        prefill_cache = cache.view(rows=B)
     cache.reset()
     state.done.zero_()
 
     # 1. prefill the B prompts once; repeat their cache rows (and last logits) n times
     mask = attention_mask.bool()
     prompt_pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    prefill_cache = cache.view(rows=B)
     logits = model(input_ids, mask, prompt_pos, cache=prefill_cache, cache_positions=torch.arange(P, device=dev),
                    logits_to_keep=1)[:, -1]
     if n > 1:
-        _repeat_rows(cache, B, n)
+        _repeat_rows(cache, B, n, P)
         logits = logits.repeat_interleave(n, 0)
         input_ids, mask, prompt_pos = (t.repeat_interleave(n, 0) for t in (input_ids, mask, prompt_pos))
     if R > 0:
@@ -205,6 +244,8 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top
             # attend over the P + steps filled slots only (a graph must keep the full cache)
             decode_step(model, cache.view(slots=P + steps), state, eos_ids, pad_token_id, sampling, generator)
         steps += 1
+    if use_cuda_graph:
+        caller_gen.set_state(generator.get_state())  # the caller's generator advances as if it had drawn
 
     # 3. trim to the columns that have a real token somewhere, and build the training inputs
     responses = state.out_tokens[:, :steps].clone()
@@ -225,72 +266,117 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top
     )
 
 
-def _repeat_rows(cache, B, n):
-    """Rows 0..B-1 become rows 0..B*n-1, each repeated n times in place (prompt shared n ways)."""
-    for t, dim in ((cache.k, 1), (cache.v, 1), (cache.valid, 0)):
-        src = t.narrow(dim, 0, B).repeat_interleave(n, dim)
-        t.narrow(dim, 0, B * n).copy_(src)
+def _repeat_rows(cache, B, n, P):
+    """Rows 0..B-1 become rows 0..B*n-1, each repeated n times in place (prompt shared n ways).
+    Only the P prompt slots hold anything yet: the later slots are not copied."""
+    for t, dim, slot_dim in ((cache.k, 1, 3), (cache.v, 1, 3), (cache.valid, 0, 1)):
+        src = t.narrow(dim, 0, B).narrow(slot_dim, 0, P).repeat_interleave(n, dim)
+        t.narrow(dim, 0, B * n).narrow(slot_dim, 0, P).copy_(src)
+
+
+def _default_generator(dev):
+    if dev.type == "cuda":
+        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA graphs: one captured decode step per batch-size bucket, replayed with static buffers.
+# CUDA graphs: buffers sized once per model, one captured decode step per bucket and setting.
 
 _ENGINES = weakref.WeakKeyDictionary()  # model -> its GraphEngine, dropped with the model
 
 
-def _graph_engine(model, rows, max_len, dtype):
-    """The engine of this model, (re)built when it is too small or its weights moved."""
+def make_engine(model, max_batch, max_len):
+    """Size `model`'s graph engine for calls of at most `max_batch` rows (prompts x n) and
+    `max_len` slots (prompt + response), replacing any engine it had. Returns it, or None on a
+    device without graphs (CPU decodes eagerly and needs none)."""
+    if next(model.parameters()).device.type != graph_api.device_type:
+        return None
+    _ENGINES[model] = GraphEngine(model, max_batch, max_len)
+    return _ENGINES[model]
+
+
+def engine_stats(model) -> dict:
+    """Captures and rebuilds of `model`'s engine so far, its live graphs and its sizing (zeros and
+    no buckets when it has none: CPU, or graphs off)."""
     eng = _ENGINES.get(model)
-    if eng is None or not eng.fits(model, rows, max_len, dtype):
-        if eng is not None:
-            eng.graphs.clear()
-        eng = GraphEngine(model, rows, max_len, dtype)
-        _ENGINES[model] = eng
+    if eng is None:
+        return {"captures": 0, "rebuilds": 0, "graphs": 0, "buckets": [], "max_len": 0}
+    return {"captures": eng.captures, "rebuilds": eng.rebuilds, "graphs": len(eng.graphs),
+            "buckets": list(eng.buckets), "max_len": eng.max_len}
+
+
+def batch_buckets(max_batch):
+    """1, 2, 4, 8, then multiples of 16, up to the first bucket that holds max_batch rows."""
+    sizes = [1, 2, 4, 8, *range(16, max_batch + 16, 16)]
+    top = next(b for b in sizes if b >= max_batch)
+    return [b for b in sizes if b <= top]
+
+
+def _engine_for(model, rows, length):
+    """The engine of this model, made by this call when there is none, rebuilt when the call does
+    not fit it (see the module docstring)."""
+    eng = _ENGINES.get(model)
+    if eng is None:
+        eng = _ENGINES[model] = GraphEngine(model, rows, -(-length // 128) * 128)
+    elif not eng.fits(model, rows, length):
+        eng.rebuild(model, max(rows, eng.buckets[-1]), eng.max_len if length <= eng.max_len else -(-length // 128) * 128)
     return eng
 
 
-class GraphEngine:
-    def __init__(self, model, rows, max_len, dtype):
-        dev = next(model.parameters()).device
-        self.max_batch = 1 << max(rows - 1, 0).bit_length()  # largest bucket: a power of two
-        self.max_len = -(-max_len // 128) * 128  # room for later, longer calls without re-capture
-        self.dtype = dtype
-        self.ptrs = [p.data_ptr() for p in model.parameters()]
-        self.cache = KVCache(model.config, self.max_batch, self.max_len, device=dev, dtype=dtype)
-        self.state = DecodeState(self.max_batch, self.max_len, dev)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs = {}
+def _weight_ptrs(model):
+    return [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
 
-    def fits(self, model, rows, max_len, dtype):
-        return (rows <= self.max_batch and max_len <= self.max_len and dtype == self.dtype
-                and self.ptrs == [p.data_ptr() for p in model.parameters()])
+
+class GraphEngine:
+    """The static buffers of one model's rollout and its captured decode steps."""
+
+    def __init__(self, model, max_batch, max_len):
+        self.captures = self.rebuilds = 0
+        self._allocate(model, max_batch, max_len)
+
+    def _allocate(self, model, max_batch, max_len):
+        self.graphs, self.cache, self.state = {}, None, None  # free the old ones before allocating anew
+        p = next(model.parameters())
+        self.buckets, self.max_len = batch_buckets(max(max_batch, 1)), max_len
+        self.ptrs = _weight_ptrs(model)
+        self.cache = KVCache(model.config, self.buckets[-1], max_len, device=p.device, dtype=p.dtype)
+        self.state = DecodeState(self.buckets[-1], max_len, p.device)
+        self.gen = torch.Generator(p.device)
+        self.pool = graph_api.graph_pool_handle()
+
+    def rebuild(self, model, max_batch, max_len):
+        self.rebuilds += 1
+        self._allocate(model, max_batch, max_len)
+
+    def fits(self, model, rows, length):
+        return rows <= self.buckets[-1] and length <= self.max_len and self.ptrs == _weight_ptrs(model)
 
     def bucket(self, rows):
-        return 1 << max(rows - 1, 0).bit_length()
+        return next(b for b in self.buckets if b >= rows)
 
-    def graph(self, model, bucket, eos, pad_token_id, sampling, generator):
-        """The captured decode step for this bucket and sampling setting (captured on first use)."""
-        key = (bucket, tuple(sampling.items()), tuple(eos), pad_token_id, id(generator))
+    def graph(self, model, bucket, eos, pad_token_id, sampling):
+        """The captured decode step for this bucket and setting (captured on its first use)."""
+        key = (bucket, tuple(sampling.items()), tuple(eos), pad_token_id)
         if key not in self.graphs:
             # the graph reads the EOS ids from this tensor's address on every replay: keep it alive
             eos_static = torch.tensor(eos, dtype=torch.long, device=self.cache.k.device)
-            self.graphs[key] = (self._capture(model, bucket, eos_static, pad_token_id, sampling, generator),
-                                eos_static)
+            self.graphs[key] = (self._capture(model, bucket, eos_static, pad_token_id, sampling), eos_static)
         return self.graphs[key][0]
 
-    def _capture(self, model, bucket, eos_ids, pad_token_id, sampling, generator):
+    def _capture(self, model, bucket, eos_ids, pad_token_id, sampling):
+        self.captures += 1
         cache, state = self.cache.view(rows=bucket), self.state.rows(bucket)
         for t in (state.slot, state.col, state.positions, state.done):
             t.zero_()  # warm-up writes at slot/column 0..1; generate() re-initialises all of it after
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up (cuBLAS handles, allocator) off the capture stream
+        s = graph_api.Stream()
+        s.wait_stream(graph_api.current_stream())
+        with graph_api.stream(s):  # warm-up (cuBLAS handles, allocator) off the capture stream
             for _ in range(2):
-                decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        if generator is not None:
-            graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, pool=self.pool):
-            decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator)
+                decode_step(model, cache, state, eos_ids, pad_token_id, sampling, self.gen)
+        graph_api.current_stream().wait_stream(s)
+        graph = graph_api.CUDAGraph()
+        graph.register_generator_state(self.gen)
+        with graph_api.graph(graph, pool=self.pool):
+            decode_step(model, cache, state, eos_ids, pad_token_id, sampling, self.gen)
         return graph

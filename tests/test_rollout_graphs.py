@@ -1,0 +1,420 @@
+"""nanokl.rollout's CUDA-graph discipline, checked on CPU with a recording stand-in for CUDA graphs.
+
+The stand-in (`FakeGraphs`, swapped in for `rollout.graph_api`) keeps what matters of CUDA graph
+semantics: capture records the aten ops of the decode step (a TorchDispatchMode) and leaves no
+trace (every buffer it wrote is restored: a real capture runs nothing); replay re-executes those
+ops on the same static tensors, so in-place writes land in the captured buffers, intermediates are
+recomputed, and Python values (shapes, constants, which generator object) stay frozen at capture.
+A host sync during capture is an error, as is a random op on a generator not registered with the
+graph (CUDA's default generator is always registered). Its own test checks these properties.
+
+On it:
+- a simulated 8-step PPO run (new seed each step, prompt lengths that vary, n > 1, in-place weight
+  updates, a validation batch of another size and setting) captures once per (bucket, setting),
+  never rebuilds, and gives each step the tokens, log-probs and generator state of eager decoding;
+- the same seed gives the same tokens, another seed other tokens; no generator means the default
+  one, as in eager decoding;
+- replay equals eager, greedy and sampled, for batches smaller than their bucket;
+- calls that do not fit the sized engine, and weights moved to new storage, rebuild (counted) and
+  still decode correctly; an in-place update is seen without a rebuild;
+- the buckets are 1, 2, 4, 8 and multiples of 16 (a 165-row batch runs in 176), against a brute-force
+  reference;
+- the decode step never syncs with the host and writes only into the state and cache buffers
+  (a dispatch-mode check, itself shown to catch a planted `.item()` and a planted weight write).
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanokl import model as M
+from nanokl import rollout
+from nanokl.rollout import DecodeState, batch_buckets, decode_step, engine_stats, generate, make_engine
+
+aten = torch.ops.aten
+V, EOS, PAD = 48, 1, 0
+
+# ops that make the host wait for the device (or whose output shape depends on tensor values)
+HOST_SYNCS = {aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.nonzero, aten.masked_select,
+              aten.equal, aten._unique2, aten.unique_consecutive, aten.unique_dim, aten.bincount,
+              aten.histc, aten.allclose}
+
+
+def host_sync(func, args, kwargs):
+    if func.overloadpacket in HOST_SYNCS or (func.overloadpacket is aten.repeat_interleave
+                                             and "output_size" not in kwargs and func is aten.repeat_interleave.Tensor):
+        return True
+    # boolean-mask indexing (x[mask], x[mask] = y) needs the count of True entries on the host
+    if func.overloadpacket in (aten.index, aten.index_put, aten.index_put_):
+        return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_leaves(args[1]))
+    return False
+
+
+def written(func, args, kwargs):
+    """The tensors an aten op writes: its arguments marked mutable in the schema (in-place, out=)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+            out += [t for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def same_generator(a, b):
+    """Whether two Python handles wrap one generator (dispatch hands ops a new handle): reseed one,
+    see whether the other follows, put the state back."""
+    saved = b.get_state()
+    b.manual_seed(int(torch.randint(2**62, (1,))))  # a seed unlikely to be anyone's state
+    same = torch.equal(a.get_state(), b.get_state())
+    b.set_state(saved)
+    return same
+
+
+# ----------------------------------------------------------------------------------------------
+# The stand-in for torch.cuda's graph API
+
+
+class FakeGraph:
+    def __init__(self, fake):
+        self.ops, self.generators = [], []
+        fake.graphs.append(self)
+
+    def register_generator_state(self, gen):
+        self.generators.append(gen)
+
+    def replay(self):
+        fresh = {}  # id(captured intermediate) -> its value in this replay
+
+        def current(x):
+            return fresh.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+        for func, args, kwargs, out in self.ops:
+            result = func(*tree_map(current, args), **tree_map(current, kwargs))
+            for old, new in zip(tree_leaves(out), tree_leaves(result)):
+                if isinstance(old, torch.Tensor):
+                    fresh[id(old)] = new
+
+
+class Recorder(TorchDispatchMode):
+    """Records every aten op into the graph; undoes the writes into pre-existing storage at exit."""
+
+    def __init__(self, graph):
+        super().__init__()
+        self.graph, self.made, self.outside, self.saved = graph, set(), set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if host_sync(func, args, kwargs):
+            raise RuntimeError(f"{func} synchronizes with the host: not permitted while capturing")
+        for g in tree_leaves((args, kwargs)):
+            if isinstance(g, torch.Generator) and not any(
+                    same_generator(g, r) for r in [torch.default_generator, *self.graph.generators]):
+                raise RuntimeError("a random op drew from a generator not registered with the graph")
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and id(t) not in self.made:
+                self.outside.add(storage(t))
+        for t in written(func, args, kwargs):
+            if storage(t) in self.outside and storage(t) not in self.saved:
+                self.saved[storage(t)] = (t.untyped_storage(), t.untyped_storage().clone())
+        out = func(*args, **kwargs)
+        self.graph.ops.append((func, args, kwargs, out))
+        self.made |= {id(o) for o in tree_leaves(out) if isinstance(o, torch.Tensor)}
+        return out
+
+    def undo(self):
+        for st, copy in self.saved.values():
+            st.copy_(copy)
+
+
+class FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+class FakeGraphs:
+    """What rollout.graph_api holds, for graphs that run on CPU tensors."""
+    device_type = "cpu"
+
+    def __init__(self):
+        self.graphs = []  # every graph captured, counted here independently of the engine's counters
+
+    def CUDAGraph(self):
+        return FakeGraph(self)
+
+    @contextlib.contextmanager
+    def graph(self, g, pool=None, stream=None, capture_error_mode="global"):
+        states = [gen.get_state() for gen in g.generators]
+        rec = Recorder(g)
+        with rec:
+            yield g
+        rec.undo()
+        for gen, s in zip(g.generators, states):
+            gen.set_state(s)
+
+    Stream = FakeStream
+
+    def stream(self, s):
+        return contextlib.nullcontext()
+
+    def current_stream(self):
+        return FakeStream()
+
+    def graph_pool_handle(self):
+        return object()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from a second thread, and on a shared machine they wait for it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeGraphs()
+    monkeypatch.setattr(rollout, "graph_api", f)
+    return f
+
+
+def test_the_stand_in_records_and_replays_like_a_cuda_graph(fake):
+    x, y, k = torch.zeros(3), torch.ones(3), 2.0
+    g = fake.CUDAGraph()
+    with fake.graph(g):
+        tmp = y * k  # an intermediate: recomputed on replay from y's value then
+        x.add_(tmp)  # a write into a captured buffer
+        k = 100.0  # a Python value after the fact: the graph never sees it
+    assert torch.equal(x, torch.zeros(3))  # capture ran nothing
+    g.replay()
+    assert torch.equal(x, torch.full((3,), 2.0))
+    y.fill_(5.0)
+    g.replay()
+    assert torch.equal(x, torch.full((3,), 12.0))
+    with pytest.raises(RuntimeError, match="synchronizes"), fake.graph(fake.CUDAGraph()):
+        bool(x.sum() > 0)
+    with pytest.raises(RuntimeError, match="not registered"), fake.graph(fake.CUDAGraph()):
+        torch.empty(3).exponential_(generator=torch.Generator())
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine on the stand-in
+
+
+def tiny_model(seed=0, scale=0.15):
+    torch.manual_seed(seed)
+    cfg = M.ModelConfig(model_type="qwen2", vocab_size=V, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=1e4)
+    m = M.CausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, scale)
+    return m.eval()
+
+
+def prompts(B, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, V, (B, T), generator=g)
+    mask = torch.ones_like(ids)
+    for b in range(B):
+        mask[b, : (b * 3 + seed) % T] = 0  # left padding of varied length
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def same_output(a, b):
+    assert torch.equal(a.responses, b.responses)
+    assert torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.position_ids, b.position_ids)
+    assert (a.log_probs - b.log_probs).abs().max() <= 1e-5
+
+
+def test_a_simulated_ppo_run_captures_once_per_bucket_and_honours_every_seed(fake):
+    m = tiny_model()
+    n, B_train, B_val, max_P, R = 4, 4, 7, 9, 12  # 16 rows fill their bucket: same draws as eager
+    engine = make_engine(m, max(B_train * n, B_val), max_P + R)  # what harness/run.setup does
+    assert engine is not None and engine.buckets == [1, 2, 4, 8, 16]
+    train_kw = dict(temperature=0.9, top_p=0.95, eos_token_id=[EOS], pad_token_id=PAD, n=n)
+    val_kw = dict(do_sample=False, eos_token_id=[EOS], pad_token_id=PAD)
+    for step in range(8):
+        ids, mask = prompts(B_train, 4 + step % 6, seed=step)  # the longest prompt changes every step
+        g_graph, g_eager = (torch.Generator().manual_seed(1000 + step) for _ in range(2))  # fresh per step
+        out = generate(m, ids, mask, R, generator=g_graph, use_cuda_graph=True, **train_kw)
+        ref = generate(m, ids, mask, R, generator=g_eager, use_cuda_graph=False, **train_kw)
+        same_output(out, ref)
+        assert torch.equal(g_graph.get_state(), g_eager.get_state())  # advanced as if it had drawn
+        with torch.no_grad():  # the update: new values in the same storage
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        if step % 4 == 3:  # validation: another batch size, greedy
+            vids, vmask = prompts(B_val, max_P, seed=50 + step)
+            same_output(generate(m, vids, vmask, R, use_cuda_graph=True, **val_kw),
+                        generate(m, vids, vmask, R, use_cuda_graph=False, **val_kw))
+    stats = engine_stats(m)
+    assert stats["rebuilds"] == 0
+    assert stats["captures"] == stats["graphs"] == len(fake.graphs) == 2  # (16, sampled), (8, greedy)
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(fake):
+    m = tiny_model(1, scale=0.1)
+    ids, mask = prompts(8, 7, seed=1)
+    kw = dict(eos_token_id=None, pad_token_id=PAD, use_cuda_graph=True, n=2)  # 16 rows: a full bucket
+
+    def tokens(seed):
+        return generate(m, ids, mask, 10, generator=torch.Generator().manual_seed(seed), **kw).responses
+
+    a, b, c = tokens(3), tokens(4), tokens(3)
+    assert torch.equal(a, c) and not torch.equal(a, b)
+    assert len(fake.graphs) == 1
+    # no generator: the default one, exactly as in eager decoding
+    torch.manual_seed(9)
+    graph = generate(m, ids, mask, 10, **kw)
+    after_graph = torch.default_generator.get_state()
+    torch.manual_seed(9)
+    eager = generate(m, ids, mask, 10, **{**kw, "use_cuda_graph": False})
+    assert torch.equal(graph.responses, eager.responses)
+    assert torch.equal(after_graph, torch.default_generator.get_state())
+
+
+GREEDY, TOP_K, TOP_P = dict(do_sample=False), dict(temperature=1.2, top_k=6), dict(temperature=0.8, top_p=0.7)
+
+
+# Greedy: any batch, also one smaller than its bucket (3 rows in 4, 15 in 16). Sampled: full buckets,
+# where the graph draws exactly the noise eager decoding draws (a smaller batch draws the bucket's:
+# another draw from the same distribution, checked below).
+@pytest.mark.parametrize("B,n,sampling", [(1, 1, GREEDY), (3, 1, GREEDY), (5, 3, GREEDY), (1, 1, TOP_K),
+                                          (4, 1, TOP_P), (8, 2, TOP_K), (4, 4, TOP_P)])
+def test_replay_equals_eager(fake, B, n, sampling):
+    m = tiny_model(2)
+    ids, mask = prompts(B, 6, seed=B)
+    kw = dict(eos_token_id=[EOS, 2], pad_token_id=PAD, n=n, **sampling)
+    out = generate(m, ids, mask, 14, generator=torch.Generator().manual_seed(0), use_cuda_graph=True, **kw)
+    ref = generate(m, ids, mask, 14, generator=torch.Generator().manual_seed(0), use_cuda_graph=False, **kw)
+    same_output(out, ref)
+    assert len(fake.graphs) == 1 and engine_stats(m)["buckets"][-1] >= B * n
+
+
+def test_a_batch_smaller_than_its_bucket_samples_from_the_model_and_honours_its_seed(fake):
+    m = tiny_model(7)
+    ids, mask = prompts(5, 6, seed=3)  # 10 rows in bucket 16
+    kw = dict(eos_token_id=[EOS], pad_token_id=PAD, n=2, temperature=0.9, top_k=8, use_cuda_graph=True)
+
+    def run(seed):
+        return generate(m, ids, mask, 12, generator=torch.Generator().manual_seed(seed), **kw)
+
+    a, b, c = run(1), run(2), run(1)
+    assert torch.equal(a.responses, c.responses) and not torch.equal(a.responses, b.responses)
+    with torch.no_grad():  # every recorded log-prob is the training forward's, at the same temperature
+        logits = m(a.sequences, a.attention_mask, a.position_ids)[:, a.prompt_length - 1:-1]
+    ref = (logits / 0.9).log_softmax(-1).gather(-1, a.responses[..., None])[..., 0] * a.response_mask
+    assert (ref - a.log_probs).abs().max() <= 1e-5
+    assert engine_stats(m)["captures"] == 1
+
+
+def test_calls_that_do_not_fit_rebuild_and_still_decode_correctly(fake):
+    m = tiny_model(3)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    make_engine(m, 4, 16)
+
+    def check(B, T, R):
+        ids, mask = prompts(B, T, seed=B + T)
+        same_output(generate(m, ids, mask, R, use_cuda_graph=True, **kw),
+                    generate(m, ids, mask, R, use_cuda_graph=False, **kw))
+        return engine_stats(m)
+
+    assert check(4, 8, 8)["rebuilds"] == 0
+    s = check(4, 12, 8)  # longer than sized
+    assert s["rebuilds"] == 1 and s["max_len"] >= 20
+    s = check(7, 8, 8)  # more rows than sized
+    assert s["rebuilds"] == 2 and s["buckets"][-1] == 8
+    with torch.no_grad():  # in place: the replay sees it, nothing is rebuilt
+        for p in m.parameters():
+            p.mul_(1.1)
+    assert check(7, 8, 8)["rebuilds"] == 2
+    for p in m.parameters():  # rebinding: new storage, which the captured graphs do not read
+        p.data = p.data.clone() * 0.9
+    s = check(7, 8, 8)
+    assert s["rebuilds"] == 3 and s["captures"] == 4 and s["graphs"] == 1
+
+
+def test_buckets_are_powers_of_two_to_8_then_multiples_of_16():
+    for rows in range(1, 300):
+        top = batch_buckets(rows)[-1]
+        assert top == min(b for b in [1, 2, 4, 8] + list(range(16, 400, 16)) if b >= rows)
+    assert batch_buckets(165) == [1, 2, 4, 8, *range(16, 177, 16)]  # 165 rows run in 176, not 256
+
+
+def test_cpu_without_the_stand_in_has_no_engine():
+    m = tiny_model(4)
+    assert make_engine(m, 8, 16) is None
+    ids, mask = prompts(2, 5, seed=0)
+    generate(m, ids, mask, 4, do_sample=False, use_cuda_graph=True)  # graphs asked for, CPU decodes eagerly
+    assert engine_stats(m) == {"captures": 0, "rebuilds": 0, "graphs": 0, "buckets": [], "max_len": 0}
+
+
+# ----------------------------------------------------------------------------------------------
+# Step hygiene: what one decode step may do
+
+
+class StepAudit(TorchDispatchMode):
+    """Every host sync the step calls, and the storage of every tensor it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.writes = [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if host_sync(func, args, kwargs):
+            self.syncs.append(str(func))
+        self.writes |= {storage(t) for t in written(func, args, kwargs)}
+        return func(*args, **kwargs)
+
+
+def audit_step(m, sampling, rows=6, slots=24, generator=None):
+    cache = M.KVCache(m.config, rows, slots)
+    state = DecodeState(rows, slots, torch.device("cpu"))
+    state.slot.fill_(5)
+    state.positions.fill_(5)
+    cache.valid[:, :5] = True
+    static = {storage(t) for t in (cache.k, cache.v, cache.valid, *vars(state).values())}
+    weights = {storage(t) for t in (*m.parameters(), *m.buffers())}
+    eos = torch.tensor([EOS])
+    with torch.inference_mode(), StepAudit() as audit:
+        # views of the first rows, as the graph of a smaller bucket uses them: same storage
+        decode_step(m, cache.view(rows=rows - 1), state.rows(rows - 1), eos, PAD, sampling, generator)
+    return audit, static, weights | {storage(eos)}
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=-1, top_p=1.0, do_sample=False),
+                                      dict(temperature=0.7, top_k=5, top_p=0.9, do_sample=True)])
+def test_the_decode_step_never_syncs_and_writes_only_static_buffers(sampling):
+    m = tiny_model(5)
+    audit, static, external = audit_step(m, sampling, generator=torch.Generator().manual_seed(0))
+    assert audit.syncs == []
+    assert not (audit.writes & external)  # never a weight, a buffer of the model or the EOS ids
+    assert static <= audit.writes  # and every cache / state buffer is written (the step does its job)
+    # anything else written was allocated by the step itself (a temporary, dead after it)
+
+
+def test_the_step_audit_catches_a_sync_and_a_weight_write():
+    m = tiny_model(6)
+    forward = m.forward
+
+    def leaky(*a, **kw):
+        logits = forward(*a, **kw)
+        if logits.max().item() > 1e9:  # a host sync
+            pass
+        m.lm_head.weight.add_(0.0)  # a write into a weight
+        return logits
+
+    m.forward = leaky
+    audit, _, external = audit_step(m, dict(temperature=1.0, top_k=-1, top_p=1.0, do_sample=False))
+    assert audit.syncs and (audit.writes & external)
