@@ -56,6 +56,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from nanokl import attention as A
+
 
 @dataclass
 class ModelConfig:
@@ -93,27 +95,40 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in fp32 even under bf16: the mean of squares loses too much in 8 mantissa bits.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # One fused kernel on CUDA (pow, mean, rsqrt, two products on the CPU: the very ops, and the
+        # numbers, of writing it out in fp32). It normalises in fp32 even for bf16 inputs, rounding
+        # once at the end where transformers rounds before the weight product as well.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def linear(x, weight, bias=None, residual=None):
+    """x W^T + bias, plus `residual` folded into the same GEMM (addmm) when given.
+
+    When decoding on a CPU (a few rows, no autograd) it computes y = (W x^T)^T rather than x W^T.
+    The two are the same dot products (bit-identical here), but MKL's GEMM runs the first
+    orientation 1.1-1.8x faster for skinny decode shapes on the benchmark CPU (bench/RESULTS.md),
+    which makes the whole decode step ~15% faster at batch 8-32. Training (grad enabled), big
+    batches and GPUs take the ordinary path."""
+    rows = x.numel() // x.shape[-1]
+    skinny = x.device.type == "cpu" and not torch.is_grad_enabled() and 1 < rows <= 256
+    if residual is None and not skinny:
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, -1)
+    if residual is None:  # skinny: the bias rides in the GEMM, as in F.linear
+        y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())
+        return y.t().reshape(*x.shape[:-1], -1)
+    r = residual.reshape(rows, -1)
+    y = torch.addmm(r.t(), weight, x2.t()).t() if skinny else torch.addmm(r, x2, weight.t())
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], -1)
 
 
 class Linear(nn.Linear):
-    """nn.Linear, except when decoding on a CPU: with a few rows and no autograd it computes
-    y = (W x^T)^T rather than x W^T. The two are the same dot products (bit-identical results
-    here), but MKL's GEMM runs the first orientation 1.1-1.8x faster for skinny decode shapes on
-    the benchmark CPU (bench/RESULTS.md), which makes the whole decode step ~15% faster at batch
-    8-32. Training (grad enabled), big batches and GPUs take the ordinary path."""
+    """nn.Linear through `linear` (the skinny CPU decode orientation)."""
 
     def forward(self, x):
-        rows = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or torch.is_grad_enabled() or not 1 < rows <= 256:
-            return F.linear(x, self.weight, self.bias)
-        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], -1)
+        return linear(x, self.weight, self.bias)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -144,16 +159,22 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def decode_attention(q, k, v, mask):
-    """Attention of one query per row over the cache: softmax(q k^T / sqrt(d)) v as two batched
-    matmuls. The G query heads sharing a KV head are stacked as G rows of one matrix, so GQA
-    needs no copy of k/v; for a single query this beats the fused SDPA kernel's setup cost."""
-    B, H, _, hd = q.shape
-    n_kv = k.shape[1]
-    q = q.view(B, n_kv, H // n_kv, hd)
-    scores = (q @ k.transpose(-1, -2)) * hd**-0.5  # [B, n_kv, G, S]
-    scores = scores.float().masked_fill(~mask.view(B, 1, 1, -1), float("-inf"))
-    return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, 1, hd)
+def rope_tables(position_ids, inv_freq, dtype):
+    """cos and sin of every position's angles, [B, T, 1, d] (broadcast over heads)."""
+    # RoPE angles in fp32 (as transformers does): bf16 positions would round beyond 256.
+    freqs = position_ids[:, :, None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+
+
+def rope_rotation(cos, sin):
+    """RoPE of one position per row as a matrix: x @ R = x cos + rotate_half(x) sin, [B, d, d].
+    R = [[diag(c), diag(s)], [-diag(s), diag(c)]] in half-blocks, so one batched matmul rotates
+    the q and k heads of a decode step together (a bf16 matmul also rounds once, not three times)."""
+    c, s = cos[:, 0, 0], sin[:, 0, 0]  # [B, d]
+    h = c.shape[-1] // 2
+    signed = torch.cat((-s[:, :h], s[:, h:]), -1)
+    return torch.diag_embed(c) + torch.diag_embed(signed).roll(h, dims=-2)
 
 
 class Attention(nn.Module):
@@ -166,26 +187,39 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, bias=o_bias)
+        self.qkv = None  # (weight, bias) of q|k|v in one matrix: set by fuse_for_rollout
 
-    def forward(self, x, cos, sin, mask, kv=None, cache_positions=None):
+    def project(self, x):
+        """q, k, v as [B, T, heads, d]: three matmuls, or one in a fused rollout copy."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = linear(x, *self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
+                                                  self.n_kv * self.hd], -1)
+        return q.view(B, T, -1, self.hd), k.view(B, T, -1, self.hd), v.view(B, T, -1, self.hd)
+
+    def forward(self, x, rope, lay, kv=None, cache_positions=None, residual=None):
+        B, T, _ = x.shape
+        H, n, d = self.n_heads, self.n_kv, self.hd
+        cos, sin, rot = rope
+        if rot is not None:  # fused copy, one token per row: RoPE of q and k heads in one bmm
+            qkv = linear(x, *self.qkv)[:, 0]  # [B, (H + 2 n_kv) d]
+            qk = torch.bmm(qkv[:, :(H + n) * d].view(B, H + n, d), rot)
+            q, k = qk[:, :H, None], qk[:, H:, None]  # [B, heads, 1, d]
+            v = qkv[:, (H + n) * d:].view(B, n, 1, d)
+        else:
+            q, k, v = self.project(x)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
         if kv is not None:  # write this step's keys/values into their slots, attend over all slots
             k_cache, v_cache = kv
             k_cache.index_copy_(2, cache_positions, k.to(k_cache.dtype))
             v_cache.index_copy_(2, cache_positions, v.to(v_cache.dtype))
             k, v = k_cache.to(q.dtype), v_cache.to(q.dtype)
-        if T == 1 and mask is not None:
-            y = decode_attention(q, k, v, mask)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads
-            )
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+        y = A.attend(q, k, v, lay).transpose(1, 2).reshape(B, T, H * d)
+        return linear(y, self.o_proj.weight, self.o_proj.bias, residual)
 
 
 class MLP(nn.Module):
@@ -195,9 +229,15 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, m, bias=b)
         self.up_proj = Linear(h, m, bias=b)
         self.down_proj = Linear(m, h, bias=b)
+        self.gate_up = None  # (weight, bias) of gate|up in one matrix: set by fuse_for_rollout
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, residual=None):
+        if self.gate_up is None:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            gate, up = linear(x, *self.gate_up).chunk(2, -1)
+            h = F.silu(gate) * up
+        return linear(h, self.down_proj.weight, self.down_proj.bias, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -208,8 +248,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, kv=None, cache_positions=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, cache_positions)
+    def forward(self, x, rope, lay, kv=None, cache_positions=None):
+        if self.self_attn.qkv is not None:  # fused copy: the residual adds ride in the GEMMs
+            x = self.self_attn(self.input_layernorm(x), rope, lay, kv, cache_positions, residual=x)
+            return self.mlp(self.post_attention_layernorm(x), residual=x)
+        x = x + self.self_attn(self.input_layernorm(x), rope, lay, kv, cache_positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -251,45 +294,37 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gradient_checkpointing = False  # recompute each block in backward to save activations
+        self.fused = False  # q|k|v and gate|up fused for rollout (fuse_for_rollout)
         # Recomputed from the config (not saved): a non-persistent buffer follows .to(device).
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, cache_positions=None):
         B, T = input_ids.shape
         dev = input_ids.device
-        if attention_mask is None:
-            attention_mask = torch.ones(B, T, dtype=torch.long, device=dev)
         if position_ids is None:
+            real = attention_mask > 0 if attention_mask is not None else torch.ones(B, T, dtype=torch.bool, device=dev)
             past = cache.valid.sum(-1, keepdim=True) if cache is not None else 0
-            position_ids = (past + (attention_mask > 0).long().cumsum(-1) - 1).clamp(min=0)
+            position_ids = (past + real.long().cumsum(-1) - 1).clamp(min=0)
         x = self.embed_tokens(input_ids)
-        # RoPE angles in fp32 (as transformers does): bf16 positions would round beyond 256.
-        freqs = position_ids[:, :, None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        cos, sin = rope_tables(position_ids, self.inv_freq, x.dtype)
+        rope = (cos, sin, rope_rotation(cos, sin) if self.fused and T == 1 else None)
 
+        # who sees whom: built once here, shared by every layer (nanokl/attention.py)
         if cache is not None:
-            cache.valid.index_copy_(1, cache_positions, attention_mask > 0)
-            slots = torch.arange(cache.max_len, device=dev)
-            causal = slots[None, :] <= cache_positions[:, None]  # [T, S]
-            mask = causal & cache.valid[:, None, None, :]
-            mask = mask | (slots[None, :] == cache_positions[:, None])  # always see yourself
-        elif (attention_mask == 1).all():
-            mask = None  # plain causal attention: SDPA's fastest path
+            if attention_mask is None:
+                cache.valid.index_fill_(1, cache_positions, True)
+            else:
+                cache.valid.index_copy_(1, cache_positions, attention_mask > 0)
+            lay = A.cache_layout(cache.valid, cache_positions)
         else:
-            # key j is visible to query i when both belong to the same sequence (same nonzero id:
-            # 1 for an ordinary padded row, 1, 2, 3, ... along a packed row) and j <= i
-            idx = torch.arange(T, device=dev)
-            causal = idx[None, :] <= idx[:, None]
-            same = (attention_mask[:, None, :] == attention_mask[:, :, None]) & (attention_mask[:, None, :] > 0)
-            mask = ((causal & same) | torch.eye(T, dtype=torch.bool, device=dev))[:, None]
+            lay = A.layout(attention_mask) if attention_mask is not None else A.Layout("causal")
 
         for i, layer in enumerate(self.layers):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
             if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, mask, kv, cache_positions, use_reentrant=False)
+                x = checkpoint(layer, x, rope, lay, kv, cache_positions, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask, kv, cache_positions)
+                x = layer(x, rope, lay, kv, cache_positions)
         return self.norm(x)
 
 
@@ -342,3 +377,36 @@ def init_weights(model: nn.Module, std=0.02):
         elif isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
     return model
+
+
+def fuse_for_rollout(model: nn.Module):
+    """Fuse q|k|v and gate|up of a rollout copy into one matrix each, in place; returns the model.
+
+    A decode step is hundreds of small kernels, and the projections read the same input: one
+    [(H + 2 n_kv) d, hidden] matmul replaces three, one [2 m, hidden] replaces two. The trained
+    actor keeps transformers' separate parameters (checkpoints, FSDP, the optimizer); this is for
+    the copy that only generates. Each old parameter is rebound to a *view* into the fused matrix,
+    so `named_parameters()` and the state dict keep their names and shapes, and copying the actor's
+    weights in by name (`dist.sync_rollout_weights`, in place) writes straight into the fused
+    storage that a captured CUDA graph reads. Fuse after the last move: `model.to()` would break
+    the views apart. The fused layers also fold the residual adds into the output GEMMs and rotate
+    q and k with one matmul when decoding (DecoderLayer, Attention)."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
+        m.gate_up = _fuse(m.gate_proj, m.up_proj)
+    model.model.fused = True
+    return model
+
+
+def _fuse(*linears):
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    start = 0
+    for lin in linears:
+        rows = slice(start, start + lin.weight.shape[0])
+        lin.weight = nn.Parameter(weight[rows], requires_grad=lin.weight.requires_grad)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
+        start = rows.stop
+    return weight, bias

@@ -1,0 +1,238 @@
+"""nanokl.attention: each batch layout against a float64 softmax written out per head, the CUDA
+rule (SDPA never gets a mask together with enable_gqa), the memory of the packed path at a
+16,384-token budget, and the kernel record.
+
+- Every layout (causal, padded, packed, decode with a cache) equals a float64 reference that
+  loops over heads and builds the visibility matrix by hand (<= 1e-5 fp32).
+- A TorchFunctionMode sees every SDPA call of a training forward (padded), a packed forward, a
+  prefill and decode steps (plain and fused rollout copy) and fails on attn_mask + enable_gqa.
+- On the meta device (shapes, no memory) the packed forward and backward of the 0.5B shape at
+  16,384 tokens, with the CUDA varlen kernel forced, hold no tensor larger than
+  L x intermediate_size elements (79.7M; the block-diagonal mask alone is L^2 = 268M), apart from
+  parameter-shaped gradients; the mask path, measured the same way, exceeds L^2.
+- Decode attention on a bf16 cache computes its scores in fp32: its error against float64 is the
+  final rounding of the output, below what rounding scores and probabilities to bf16 gives.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from nanokl import attention as A
+from nanokl import model as M
+
+
+def reference(q, k, v, visible):
+    """float64 softmax(q k^T / sqrt(d) + mask) v, head by head; visible [B, T, S] bool."""
+    B, H, T, d = q.shape
+    G = H // k.shape[1]
+    out = torch.zeros(B, H, T, d, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            s = q[b, h].double() @ k[b, h // G].double().T / d ** 0.5
+            s = s.masked_fill(~visible[b], float("-inf"))
+            out[b, h] = s.softmax(-1) @ v[b, h // G].double()
+    return out
+
+
+def qkv(B, H, n, T, S, d=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(B, H, T, d, generator=g, dtype=dtype), torch.randn(B, n, S, d, generator=g, dtype=dtype),
+            torch.randn(B, n, S, d, generator=g, dtype=dtype))
+
+
+def test_every_layout_matches_float64_reference():
+    T = 9
+    tril = torch.ones(T, T, dtype=torch.bool).tril()
+    # causal: no padding
+    q, k, v = qkv(2, 4, 2, T, T)
+    lay = A.layout(torch.ones(2, T, dtype=torch.long))
+    assert lay.kind == "causal"
+    assert (A.attend(q, k, v, lay) - reference(q, k, v, tril.expand(2, T, T))).abs().max() <= 1e-5
+    # padded: left padding of 3 and 0; a padding query sees only itself
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, :3] = 0
+    lay = A.layout(mask)
+    assert lay.kind == "padded"
+    vis = tril & mask.bool()[:, None, :] | torch.eye(T, dtype=torch.bool)
+    assert (A.attend(q, k, v, lay) - reference(q, k, v, vis)).abs().max() <= 1e-5
+    # packed: one row of three sequences (ids 1, 2, 3), block-diagonal causal visibility
+    ids = torch.tensor([[1, 1, 1, 1, 2, 2, 3, 3, 3]])
+    q, k, v = qkv(1, 4, 2, T, T)
+    lay = A.layout(ids)
+    assert lay.kind == "packed" and lay.lengths == [4, 2, 3] and lay.cu_seqlens.tolist() == [0, 4, 6, 9]
+    vis = tril & (ids[0][:, None] == ids[0][None, :])
+    assert (A.attend(q, k, v, lay) - reference(q, k, v, vis[None])).abs().max() <= 1e-5
+    # decode: one query at slot 6 over 10 cache slots, some of them padding
+    q, k, v = qkv(3, 6, 2, 1, 10)
+    valid = torch.rand(3, 10, generator=torch.Generator().manual_seed(1)) > 0.4
+    valid[:, 6] = True
+    lay = A.cache_layout(valid, torch.tensor([6]))
+    assert lay.kind == "decode"
+    vis = (valid & (torch.arange(10) <= 6))[:, None, :]
+    assert (A.attend(q, k, v, lay) - reference(q, k, v, vis)).abs().max() <= 1e-5
+
+
+class SDPACalls(TorchFunctionMode):
+    """Records (has mask, enable_gqa) of every scaled_dot_product_attention call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            self.calls.append((mask is not None, bool(kwargs.get("enable_gqa", False))))
+        return func(*args, **kwargs)
+
+
+def tiny_model(fused=False):
+    cfg = M.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, rope_theta=1e4)
+    torch.manual_seed(0)
+    m = M.init_weights(M.CausalLM(cfg), std=0.2).eval()
+    return M.fuse_for_rollout(m) if fused else m
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sdpa_never_gets_a_mask_with_enable_gqa(fused):
+    """The CUDA rule (no fused kernel takes both; the math fallback builds fp32 [B, H, T, T]
+    scores), checked on the CPU where the code path is the same."""
+    m = tiny_model(fused)
+    ids = torch.randint(0, 61, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    seq = torch.tensor([[1] * 4 + [2] * 6])
+    pos = torch.tensor([list(range(4)) + list(range(6))])
+    paths = {}
+    with torch.no_grad():
+        for name, call in [
+            ("padded", lambda: m(ids, mask)),
+            ("packed", lambda: m(ids[:1], seq, pos)),
+            ("causal", lambda: m(ids)),
+        ]:
+            with SDPACalls() as rec:
+                call()
+            paths[name] = rec.calls
+        cache = M.KVCache(m.config, 3, 14)
+        with SDPACalls() as rec:
+            m(ids[:, :8], mask[:, :8], cache=cache, cache_positions=torch.arange(8))
+        paths["prefill"] = rec.calls
+        with SDPACalls() as rec:
+            for t in (8, 9):
+                m(ids[:, t:t + 1], cache=cache, cache_positions=torch.tensor([t]))
+        paths["decode"] = rec.calls
+    for name, calls in paths.items():
+        assert calls, f"{name}: no SDPA call seen"
+        assert not any(has_mask and gqa for has_mask, gqa in calls), f"{name}: attn_mask with enable_gqa"
+    assert all(has_mask for has_mask, _ in paths["padded"] + paths["prefill"] + paths["decode"])
+    assert not any(has_mask for has_mask, _ in paths["packed"])  # per-document causal: no mask at all
+
+
+class Largest(TorchDispatchMode):
+    """The largest tensor any op returns, skipping those shaped like a parameter (gradients)."""
+
+    def __init__(self, skip_shapes):
+        super().__init__()
+        self.skip, self.numel, self.op = skip_shapes, 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) not in self.skip and t.numel() > self.numel:
+                self.numel, self.op = t.numel(), str(func)
+        return out
+
+
+def packed_peak(monkeypatch, use_mask):
+    L, docs = 16384, 16
+    lengths = [L // docs] * docs
+    cfg = M.ModelConfig(num_hidden_layers=2)  # the 0.5B shape, two layers (every layer is alike)
+    with torch.device("meta"):
+        dec = M.Decoder(cfg)
+    seq = torch.repeat_interleave(torch.arange(1, docs + 1), torch.tensor(lengths))[None].to("meta")
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to("meta")
+    ids = torch.zeros(1, L, dtype=torch.long, device="meta")
+    # meta tensors hold no values: supply the layout the host read of the sequence ids would give
+    if use_mask:
+        monkeypatch.setattr(A, "layout", lambda m: A.Layout("padded", mask=A.padded_mask(m)))
+    else:
+        monkeypatch.setattr(A, "layout", lambda m: A.packed_layout(lengths, m))
+        monkeypatch.setattr(A, "packed_kernel", lambda q: "varlen")
+    with Largest({tuple(p.shape) for p in dec.parameters()}) as rec:
+        dec(ids, seq, pos).float().pow(2).mean().backward()
+    return rec.numel, L, cfg
+
+
+def test_packed_path_holds_no_quadratic_tensor_at_16k_tokens(monkeypatch):
+    peak, L, cfg = packed_peak(monkeypatch, use_mask=False)
+    assert peak <= L * cfg.intermediate_size  # the MLP's [L, 4864]: 79.7M elements, 319 MB fp32
+    assert peak < L * L // 3
+
+
+def test_mask_path_is_quadratic_control(monkeypatch):
+    """The same measurement on the block-diagonal mask path: it exceeds L^2 (so the bound above bites)."""
+    peak, L, _ = packed_peak(monkeypatch, use_mask=True)
+    assert peak >= L * L
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_branch_equals_per_document(monkeypatch):
+    T = 12
+    ids = torch.tensor([[1] * 5 + [2] * 3 + [3] * 4])
+    q, k, v = qkv(1, 4, 2, T, T)
+    lay = A.layout(ids)
+    want = A.attend(q, k, v, lay)
+    monkeypatch.setattr(A, "packed_kernel", lambda q: "flex")
+    with A.record_kernels() as names:
+        got = A.attend(q, k, v, lay)
+    assert names == ["flex"]
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_record_kernels_names_each_call():
+    m = tiny_model()
+    ids = torch.randint(0, 61, (1, 10))
+    with torch.no_grad(), A.record_kernels() as names:
+        m(ids, torch.tensor([[1] * 4 + [2] * 6]), torch.tensor([list(range(4)) + list(range(6))]))
+        m(ids)
+    assert names == ["sdpa-per-document"] * 2 + ["sdpa-cpu"] * 2  # two layers each
+
+
+def test_decode_scores_in_fp32_on_a_bf16_cache():
+    """Scores and softmax in fp32 (as training's kernels compute them): what is left is rounding
+    the probabilities for the product with v and the output to bf16, each <= 2^-9 of
+    m = sum_i p_i |v_i|; the bound allows 2^-7 m. Rounding the scores to bf16 as well (the old
+    decode path: bf16 q k^T) breaks it: a score of a few units moves by ~2^-8 of itself."""
+    q, k, v = qkv(8, 14, 2, 1, 200, d=64, dtype=torch.bfloat16)
+    q = q * 3  # scores of a few units, as in a trained model
+    valid = torch.ones(8, 200, dtype=torch.bool)
+    lay = A.cache_layout(valid, torch.tensor([199]))
+    ref = reference(q, k, v, valid[:, None, :])
+    p = ((q.double().view(8, 2, 7, 64) @ k.double().transpose(-1, -2)) / 8).softmax(-1)
+    bound = 2 ** -7 * (p @ v.double().abs()).view(8, 14, 1, 64)
+    assert ((A.attend(q, k, v, lay).double() - ref).abs() <= bound).all()
+    s = (q.view(8, 2, 7, 64) @ k.transpose(-1, -2)) * 64 ** -0.5
+    old = (s.float().softmax(-1).to(torch.bfloat16) @ v).view(8, 14, 1, 64).double()
+    assert not ((old - ref).abs() <= bound).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernels_are_fused_under_bf16_autocast():
+    m = tiny_model().cuda()
+    ids = torch.randint(0, 61, (4, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    seq = torch.repeat_interleave(torch.arange(1, 5), torch.tensor([16, 20, 12, 16]))[None].cuda()
+    pos = torch.cat([torch.arange(n) for n in (16, 20, 12, 16)])[None].cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), A.record_kernels() as names:
+        m(ids, mask)
+        m(ids[:1], seq, pos)
+    assert "sdpa-math" not in names, names
+    assert names[-1] == "varlen"
