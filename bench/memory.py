@@ -7,7 +7,8 @@ applies the bytes each strategy keeps per parameter on one GPU of a W-GPU node:
 
     actor, critic   fp32 weights 4 + fp32 grads 4 + AdamW moments 8 = 16 B/param, replicated
                     (`ddp`, and `none` at W = 1) or divided by W (`fsdp2`)
-    reference       bf16 weights, 2 B/param, replicated (`ddp`) or divided by W (`fsdp2`)
+    reference       fp32 weights, 4 B/param, replicated (`ddp`) or divided by W (`fsdp2`): loaded like
+                    the actor and run under the same bf16 autocast, so step-0 KL is exactly 0
     rollout copy    bf16 weights, 2 B/param, always whole: generation needs every weight
     fsdp2 transient one decoder layer all-gathered in fp32 (the largest unsharded block)
 
@@ -41,7 +42,7 @@ def count(model):
 def per_gpu(P_actor, P_critic, P_layer, strategy, W):
     shard = W if strategy == "fsdp2" else 1
     train = 16 * (P_actor + P_critic) / shard
-    ref, rollout = 2 * P_actor / shard, 2 * P_actor
+    ref, rollout = 4 * P_actor / shard, 2 * P_actor
     transient = 4 * P_layer if strategy == "fsdp2" else 0
     return train + ref + rollout + transient
 

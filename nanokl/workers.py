@@ -84,10 +84,16 @@ from nanokl.ppo import (agg_loss, compute_policy_loss, compute_value_loss, entro
                         logprobs_from_logits)
 
 
+AUTOCAST = {"cuda": torch.bfloat16}  # device type -> compute dtype of every forward (none: fp32)
+
+
 def autocast(device):
-    """bf16 autocast on CUDA (fp32 master weights stay fp32), plain fp32 on CPU."""
-    if torch.device(device).type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """bf16 autocast on CUDA (fp32 master weights stay fp32), plain fp32 on CPU. The actor, the
+    reference and the critic all run under it, so the reference computes at the actor's precision
+    (step-0 KL exactly 0). A test sets AUTOCAST["cpu"] to check the CUDA precision on a CPU."""
+    dev = torch.device(device).type
+    if dev in AUTOCAST:
+        return torch.autocast(dev, dtype=AUTOCAST[dev])
     return contextlib.nullcontext()
 
 

@@ -52,6 +52,7 @@ from nanokl.harness.scoring import validate
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
 from nanokl.kl_ctrl import FixedKLController, make_kl_controller
+from nanokl.model import fuse_for_rollout
 from nanokl.supervised.reward_model import load_reward_model
 from nanokl.supervised.reward_model import train_from_config as train_reward_model
 from nanokl.supervised.sft import train_sft
@@ -206,7 +207,7 @@ def setup(cfg) -> Run:
     actor_path = ckpt / "actor" if ckpt else model_path
     actor = from_pretrained(actor_path, device=device).train()
     actor.model.gradient_checkpointing = arr.model.enable_gradient_checkpointing
-    ref = from_pretrained(model_path, device=device, dtype=torch.bfloat16 if device.type == "cuda" else None)
+    ref = from_pretrained(model_path, device=device)  # fp32, run under the actor's autocast (workers.autocast)
     ref.eval().requires_grad_(False)
     critic = None
     if estimator.needs_critic:
@@ -218,7 +219,7 @@ def setup(cfg) -> Run:
     rollout_copy = device.type == "cuda" or (a.strategy == "fsdp2" and W > 1)
     if rollout_copy:
         dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
-        rollout_model = from_pretrained(actor_path, device=device, dtype=dtype).eval().requires_grad_(False)
+        rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype).eval().requires_grad_(False))
     actor = dist.wrap(actor, a.strategy, device)
     ref = dist.wrap(ref, arr.ref.strategy, device, trainable=False)
     critic = dist.wrap(critic, c.strategy, device) if critic is not None else None
