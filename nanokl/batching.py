@@ -21,10 +21,13 @@ tokens. Packing concatenates the *real* tokens of its sequences into one row, nu
 same positions as in the padded layout and attention never crosses from one sequence into
 another (nanokl/model.py builds the block-diagonal causal mask). The logits of the positions
 that predict response tokens are gathered by `index` (`logits_to_keep` as an index tensor for
-the LM head, a plain gather for the critic's values), which puts them back in [n, R]. Kernel: on CPU and on GPU the block-diagonal mask goes
-through `scaled_dot_product_attention` with an explicit boolean mask (memory O(L^2) per packed
-row, fine for the token budgets of a single GPU); production stacks use flash-attention's
-varlen kernel on GPU, which takes the same cumulative sequence lengths and needs no mask.
+the LM head, a plain gather for the critic's values), which puts them back in [n, R]. Kernel: the
+block-diagonal mask is never built (at verl's budgets of 16,384 tokens a row, an L^2 mask and the
+fp32 scores a masked kernel falls back to would take tens of GiB). The sequence ids give the
+cumulative lengths cu_seqlens = [0, l_1, l_1 + l_2, ...], and a varlen kernel attends within each
+sequence: PyTorch's `varlen_attn` or flash-attention's `flash_attn_varlen_func` on GPU (verl's
+choice), a FlexAttention document mask otherwise, and one causal SDPA per sequence on CPU
+(nanokl/attention.py).
 
 tests/test_batching.py checks that no micro-batch exceeds the budget unless it holds one
 over-long sequence, that the partition is balanced, and that packed log-probs and values equal
