@@ -52,6 +52,8 @@ kept: the engine of a model (`GraphEngine`, one per model, found by `generate`) 
   the generators registered with it, advancing their offsets). The caller's generator state is
   copied into it before the prefill and copied back after the last step, so a seed chooses the
   tokens exactly as in eager decoding and the caller's generator advances as if it had drawn them.
+  (Exactly, when the batch fills its bucket. A smaller batch draws noise for the whole bucket
+  every step, so its tokens are another draw from the same distribution than eager decoding's.)
 
 A call that does not fit (more rows or more slots than sized, or weights moved to new storage by
 `model.to()` / a new module: their old addresses are what the graphs read) *rebuilds* the engine:

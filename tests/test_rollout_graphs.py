@@ -24,6 +24,7 @@ On it:
 """
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -418,3 +419,43 @@ def test_the_step_audit_catches_a_sync_and_a_weight_write():
     m.forward = leaky
     audit, _, external = audit_step(m, dict(temperature=1.0, top_k=-1, top_p=1.0, do_sample=False))
     assert audit.syncs and (audit.writes & external)
+
+
+def test_a_ppo_run_sizes_the_engine_from_its_config_and_never_rebuilds(fake, sft_dir, tmp_path, monkeypatch):
+    """train_ppo end to end on the stand-in: setup sizes the engine once (rows per rank x n, or the
+    validation chunk), and three steps with two validations capture each (bucket, setting) once."""
+    import train_ppo
+    from nanokl.harness import run as run_module
+    from nanokl.harness.tracking import read_metrics
+
+    sized = []
+
+    def spy(model, max_batch, max_len):
+        sized.append((model, max_batch, max_len))
+        return make_engine(model, max_batch, max_len)
+
+    monkeypatch.setattr(run_module, "make_engine", spy)
+    root = Path(__file__).resolve().parents[1]
+    args = ["--config", str(root / "configs" / "grpo_arith.yaml"), "data.num_train=64", "data.num_val=12",
+            "data.train_batch_size=4", "data.val_batch_size=5", "actor_rollout_ref.rollout.n=4",
+            "data.max_prompt_length=20", "data.max_response_length=16", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.logger=[jsonl]",
+            "trainer.test_freq=2", "trainer.save_freq=-1", "trainer.total_training_steps=3",
+            f"actor_rollout_ref.model.path={sft_dir}", f"sft.output_dir={sft_dir}"]
+    train_ppo.main([*args, f"trainer.default_local_dir={tmp_path / 'graphs'}"])
+    [(model, max_batch, max_len)] = sized
+    assert max_batch == max(4 * 4, 5 * 1) and max_len == 20 + 16
+    stats = engine_stats(model)
+    # training: 16 rows sampled (bucket 16); validation: chunks of 5, 5, 2 prompts, greedy (buckets 8, 2)
+    assert stats == {"captures": 3, "rebuilds": 0, "graphs": 3, "buckets": [1, 2, 4, 8, 16], "max_len": max_len}
+    # the same run decoded eagerly samples the same responses (full bucket: the same draws; greedy)
+    train_ppo.main([*args, f"trainer.default_local_dir={tmp_path / 'eager'}", "actor_rollout_ref.rollout.use_cuda_graph=false"])
+    graphs, eager = read_metrics(tmp_path / "graphs"), read_metrics(tmp_path / "eager")
+    assert [r["training/global_step"] for r in graphs] == [0, 1, 2, 3]
+    compared = 0
+    for g, e in zip(graphs, eager):
+        for k in ("response_length/mean", "critic/score/mean", "val-core/arith/acc/mean@1"):
+            if k in g or k in e:
+                assert g[k] == e[k], (g["training/global_step"], k)
+                compared += 1
+    assert compared == 3 * 2 + 3  # 3 training steps; validations before training, at step 2 and at the end

@@ -53,6 +53,7 @@ from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
 from nanokl.kl_ctrl import FixedKLController, make_kl_controller
 from nanokl.model import fuse_for_rollout
+from nanokl.rollout import make_engine
 from nanokl.supervised.reward_model import load_reward_model
 from nanokl.supervised.reward_model import train_from_config as train_reward_model
 from nanokl.supervised.sft import train_sft
@@ -216,7 +217,7 @@ def setup(cfg) -> Run:
     # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
     # in place after every update, so that its captured CUDA graphs stay valid (nanokl/dist.py).
     rollout_model = actor
-    rollout_copy = device.type == "cuda" or (a.strategy == "fsdp2" and W > 1)
+    rollout_copy = device.type == "cuda" or dist.sharded(a.strategy)  # fsdp2 under torchrun, even at W=1
     if rollout_copy:
         dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
         rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype).eval().requires_grad_(False))
@@ -243,6 +244,10 @@ def setup(cfg) -> Run:
         save(run, run.start)  # the starting point is healthy by definition: something to roll back to
     run.tracker = Tracker(run_dir, t.logger, config_to_dict(cfg), enabled=rank == 0, project=t.project_name,
                           experiment=t.experiment_name)
+    if ro.use_cuda_graph:  # size the rollout's CUDA-graph engine once, for every call of the run (a no-op on CPU)
+        val_rows = min(d.val_batch_size, len(val[rank::W])) * ro.val_kwargs.n if val else 0
+        make_engine(dist.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),
+                    d.max_prompt_length + ro.response_length)
     if t.val_before_train and val and run.start == 0:
         run.tracker.log(validate(rollout_model, tok, val, cfg, device), step=0)
     return run
@@ -260,23 +265,27 @@ def _models(run):
 
 
 def _restore(run, path, weights=False):
-    """Optimizer states (+ weights, for a rollback) from checkpoint `path`; returns its trainer state."""
-    optim_state, state = load_state(path)
+    """Optimizer states (+ weights, for a rollback) from checkpoint `path`; returns (the LR
+    schedulers' states by name, the trainer state). Only rank 0 reads optim.pt and the weights;
+    the other ranks receive them tensor by tensor (dist.load_optimizer_state, load_full_state_dict)."""
+    optim_state, state = load_state(path, read_optim=run.rank == 0)
+    optim_state = optim_state or {}
     for name, model, opt, _ in _models(run):
         if weights:
             load = from_pretrained if name == "actor" else load_value_model
-            dist.load_full_state_dict(model, load(path / name).state_dict())
-        dist.load_optimizer_state(model, opt, optim_state[name])
+            dist.load_full_state_dict(model, load(path / name).state_dict() if run.rank == 0 else {})
+        dist.load_optimizer_state(model, opt, optim_state.get(name, {}))
     if weights and run.rollout_copy:
         dist.sync_rollout_weights(run.rollout_model, run.actor)
-    return optim_state, state
+    scheds = dist.broadcast_object({k: v for k, v in optim_state.items() if k.endswith("_sched")})
+    return scheds, state
 
 
 def resume(run, ckpt):
     """Continue a run from checkpoint `ckpt` exactly where it stopped."""
-    optim_state, state = _restore(run, ckpt)
+    scheds, state = _restore(run, ckpt)
     for name, _, _, sched in _models(run):
-        sched.load_state_dict(optim_state[f"{name}_sched"])
+        sched.load_state_dict(scheds[f"{name}_sched"])
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
     if "kl_loss_ctrl" in state:  # a rollback may have raised it
         run.kl_loss_ctrl.load_state_dict(state["kl_loss_ctrl"])
