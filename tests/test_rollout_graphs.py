@@ -210,7 +210,8 @@ def test_the_stand_in_records_and_replays_like_a_cuda_graph(fake):
 # The engine on the stand-in
 
 
-def tiny_model(seed=0, scale=0.15):
+def tiny_model(seed=0, scale=0.15, fused=False):
+    """fused: q|k|v and gate|up fused, as the rollout copy of a CUDA run is (M.fuse_for_rollout)."""
     torch.manual_seed(seed)
     cfg = M.ModelConfig(model_type="qwen2", vocab_size=V, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=1e4)
@@ -218,7 +219,7 @@ def tiny_model(seed=0, scale=0.15):
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0.0, scale)
-    return m.eval()
+    return M.fuse_for_rollout(m.eval()) if fused else m.eval()
 
 
 def prompts(B, T, seed):
@@ -238,7 +239,7 @@ def same_output(a, b):
 
 
 def test_a_simulated_ppo_run_captures_once_per_bucket_and_honours_every_seed(fake):
-    m = tiny_model()
+    m = tiny_model(fused=True)
     n, B_train, B_val, max_P, R = 4, 4, 7, 9, 12  # 16 rows fill their bucket: same draws as eager
     engine = make_engine(m, max(B_train * n, B_val), max_P + R)  # what harness/run.setup does
     assert engine is not None and engine.buckets == [1, 2, 4, 8, 16]
@@ -290,10 +291,11 @@ GREEDY, TOP_K, TOP_P = dict(do_sample=False), dict(temperature=1.2, top_k=6), di
 # Greedy: any batch, also one smaller than its bucket (3 rows in 4, 15 in 16). Sampled: full buckets,
 # where the graph draws exactly the noise eager decoding draws (a smaller batch draws the bucket's:
 # another draw from the same distribution, checked below).
-@pytest.mark.parametrize("B,n,sampling", [(1, 1, GREEDY), (3, 1, GREEDY), (5, 3, GREEDY), (1, 1, TOP_K),
-                                          (4, 1, TOP_P), (8, 2, TOP_K), (4, 4, TOP_P)])
-def test_replay_equals_eager(fake, B, n, sampling):
-    m = tiny_model(2)
+@pytest.mark.parametrize("B,n,sampling,fused", [(1, 1, GREEDY, False), (3, 1, GREEDY, True), (5, 3, GREEDY, False),
+                                                (1, 1, TOP_K, True), (4, 1, TOP_P, False), (8, 2, TOP_K, False),
+                                                (4, 4, TOP_P, True)])
+def test_replay_equals_eager(fake, B, n, sampling, fused):
+    m = tiny_model(2, fused=fused)
     ids, mask = prompts(B, 6, seed=B)
     kw = dict(eos_token_id=[EOS, 2], pad_token_id=PAD, n=n, **sampling)
     out = generate(m, ids, mask, 14, generator=torch.Generator().manual_seed(0), use_cuda_graph=True, **kw)
@@ -394,10 +396,11 @@ def audit_step(m, sampling, rows=6, slots=24, generator=None):
     return audit, static, weights | {storage(eos)}
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=-1, top_p=1.0, do_sample=False),
                                       dict(temperature=0.7, top_k=5, top_p=0.9, do_sample=True)])
-def test_the_decode_step_never_syncs_and_writes_only_static_buffers(sampling):
-    m = tiny_model(5)
+def test_the_decode_step_never_syncs_and_writes_only_static_buffers(sampling, fused):
+    m = tiny_model(5, fused=fused)
     audit, static, external = audit_step(m, sampling, generator=torch.Generator().manual_seed(0))
     assert audit.syncs == []
     assert not (audit.writes & external)  # never a weight, a buffer of the model or the EOS ids
