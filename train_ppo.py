@@ -8,7 +8,8 @@
   1. rollout     sample `rollout.n` responses per prompt from the current policy        nanokl/rollout.py
   2. score       the task's rule (or a learned reward model) scores each response; the
                  scalar sits on the response's last token                              harness/scoring.py
-  3. forwards    old log-probs + entropy (policy), reference log-probs, values (critic)  nanokl/workers.py
+  3. forwards    old log-probs + entropy (policy; taken from the rollout when the sampler
+                 is the fp32 actor itself), reference log-probs, values (critic)        nanokl/workers.py
   4. KL          in the reward: r_t = score_t - beta * KL_t, beta steered toward
                  target_kl; and/or in the loss: + kl_loss_coef * KL (actor.use_kl_loss)  nanokl/kl.py, kl_ctrl.py
   5. advantages  GAE with the critic, or a group baseline (GRPO, RLOO)                   nanokl/advantages.py
@@ -68,10 +69,18 @@ def ppo_step(run, step) -> dict:
     with timer(metrics, "reward", device):
         scores, seq_scores, rule_scores = score_batch(run.tok, out, examples_n, cfg, run.rm)
 
-    # 3. forwards: old log-probs + entropy, reference log-probs, values
-    with timer(metrics, "old_log_prob", device):
-        old_logp, entropy = workers.compute_log_probs(run.actor, batch, ro.temperature, specs["old"],
-                                                      with_entropy=True)
+    # 3. forwards: old log-probs + entropy, reference log-probs, values. When the sampler *is* the
+    # actor at the same weights and precision, the rollout's log-probs already are pi_old's (verl's
+    # bypass mode): no forward, and the entropy comes from the update's own logits (step 6)
+    bypass = step >= t.critic_warmup and workers.rollout_log_probs_are_old(
+        alg.rollout_correction.bypass_mode, same_numerics=not run.rollout_copy and device.type == "cpu",
+        do_sample=ro.do_sample, temperature=ro.temperature)
+    if bypass:
+        old_logp, entropy = out.log_probs, torch.zeros_like(out.log_probs)
+    else:
+        with timer(metrics, "old_log_prob", device):
+            old_logp, entropy = workers.compute_log_probs(run.actor, batch, ro.temperature, specs["old"],
+                                                          with_entropy=True)
     batch["old_log_probs"] = old_logp
     with timer(metrics, "ref", device):
         batch["ref_log_probs"], _ = workers.compute_log_probs(run.ref, batch, ro.temperature, specs["ref"])
@@ -115,7 +124,8 @@ def ppo_step(run, step) -> dict:
         with timer(metrics, "update_actor", device):
             upd.update(workers.update_actor(run.actor, run.actor_opt, batch, a, ro.temperature,
                                             a.ppo_mini_batch_size * n // W, specs["actor"], shuffle, R,
-                                            kl_loss_coef=run.kl_loss_ctrl.value, ref=run.ref))
+                                            kl_loss_coef=run.kl_loss_ctrl.value, ref=run.ref,
+                                            entropy_out=entropy if bypass else None))
         run.actor_sched.step()
         if run.rollout_copy:  # refresh the rollout copy in place: its graphs see new weights
             dist.sync_rollout_weights(run.rollout_model, run.actor)
@@ -125,7 +135,9 @@ def ppo_step(run, step) -> dict:
     # 7. metrics (verl's names), every one reduced over all ranks
     metrics["actor/entropy"] = dist.global_stats(entropy, rmask)[0]
     metrics["actor/lr"] = run.actor_sched.get_last_lr()[0]
-    metrics["rollout/log_prob_max_diff"] = dist.global_stats((out.log_probs - old_logp).abs(), rmask)[1]
+    metrics["rollout/bypass"] = float(bypass)
+    if not bypass:  # with bypass they are the same tensor: nothing to compare
+        metrics["rollout/log_prob_max_diff"] = dist.global_stats((out.log_probs - old_logp).abs(), rmask)[1]
     add_stats(metrics, "critic/score", seq_scores)
     metrics["critic/score/var"] = global_var(seq_scores)
     if run.rm is not None:  # the rule's verdict on the same responses: the RM's score is only a proxy

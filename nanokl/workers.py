@@ -11,6 +11,14 @@ After rollout, a PPO step runs the same few forwards over a batch of sequences
     update_actor              ppo_epochs x mini-batches x micro-batches of the clipped loss
     update_critic             the same loop with the clipped value loss
 
+The first forward is often redundant. When the rollout sampled from the actor itself at the same
+precision (on CPU: the same fp32 module) and temperature, its recorded log-probs *are* π_old's, up
+to float error (~1e-6 here: the decode step and a training forward sum in other orders), so the
+trainer takes them instead (verl's `algorithm.rollout_correction.bypass_mode`;
+`rollout_log_probs_are_old` says when) and `update_actor` records the entropy metric from the
+logits it computes anyway (`entropy_out`). TRL's GRPOTrainer saves the same forward another way,
+valid only for one update per batch: it uses the detached current log-probs as the old ones.
+
 The log-prob of response token t comes from the logits at position P+t-1 (the token before it),
 divided by the sampling temperature so that it is the quantity the rollout recorded (nanokl/rollout.py);
 only those R positions go through the LM head (`logits_to_keep`), which saves a [N, P, V] matrix.
@@ -64,7 +72,9 @@ the reward pass peaks at 14.9 GB (13.9 GiB), the loss at 17.4 GB (16.2 GiB) in t
 12.4 GB (11.6 GiB) saved for the backward. Model weights, activations and optimizer state come
 on top. A smaller micro-batch (or token budget) is the knob: every figure is linear in mb·R.
 
-tests/test_workers.py checks that the micro-batched gradient (fixed count and token budget) equals
+tests/test_workers.py checks when the rollout's log-probs may stand in for old log-probs, that the
+update they give equals the recomputed one (gradient within 1e-5 relative), that the entropy is
+recorded from each row's first pass; and that the micro-batched gradient (fixed count and token budget) equals
 the one-batch gradient for every loss_agg_mode, that the log-probs equal a per-sequence float64
 reference, that `compute_full_kl` equals a per-sequence float64 torch `kl_div` and does not depend
 on the micro-batching, and that the micro-batched gradient of the `full` KL loss equals the
@@ -127,6 +137,24 @@ def critic_values(critic, mb, packed=False):
         return critic(ids, seq_ids, pos)[0][index].float()
     R = mb["responses"].shape[1]
     return critic(mb["sequences"], mb["attention_mask"], mb["position_ids"])[:, -R - 1:-1].float()
+
+
+def rollout_log_probs_are_old(mode, same_numerics, do_sample, temperature) -> bool:
+    """Whether the step takes pi_old's log-probs from the rollout instead of recomputing them
+    (verl's `algorithm.rollout_correction.bypass_mode`): `mode` is True, False or "auto".
+
+    "auto" is on only when the two are the same numbers up to float error: the sampler is the actor
+    itself at the same precision (`same_numerics`: on CPU the rollout runs the fp32 actor; a bf16 copy
+    on CUDA differs by bf16 rounding, so there the actor recomputes), and the rollout recorded its
+    log-probs at the training temperature (a greedy rollout records temperature 1). top-k/top-p do
+    not matter: the recorded log-prob is taken before filtering, as training's is (nanokl/rollout.py).
+    True takes them whenever they are at the training temperature, even from a bf16 copy: PPO then
+    anchors its ratio on the policy that really sampled (verl's bypass); config_rules refuses True
+    where they are not."""
+    at_training_temperature = (do_sample and temperature > 0) or temperature == 1
+    if mode == "auto":
+        return same_numerics and at_training_temperature
+    return bool(mode) and at_training_temperature
 
 
 def forward_micro_batches(batch, spec):
@@ -255,7 +283,7 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
 
 
 def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), generator=None, horizon=None, *,
-                 kl_loss_coef: float, ref=None) -> dict:
+                 kl_loss_coef: float, ref=None, entropy_out=None) -> dict:
     """PPO epochs over the batch with the clipped policy loss (+ KL loss, - entropy bonus).
 
     `a` is the config's actor_rollout_ref.actor; `batch` holds sequences, attention_mask,
@@ -265,18 +293,34 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), 
     rollback can raise it); `ref`, the reference model, is needed for a.kl_loss_type == "full",
     whose loss is the exact KL from both models' logits with the gradient through the policy's.
     Returns lists of per-mini-batch metric values under verl's names; with `full`, also
-    actor/kl_loss_k1 and actor/kl_loss_k3, the k1 and k3 estimates on the same tokens."""
+    actor/kl_loss_k1 and actor/kl_loss_k3, the k1 and k3 estimates on the same tokens.
+
+    `entropy_out` ([N, R], optional) receives the entropy of each response token from the logits of
+    the first pass over its row (no gradient): the trainer's actor/entropy when the old log-probs
+    came from the rollout and no separate forward ran. With one mini-batch per step that is pi_old's
+    entropy exactly; later mini-batches see the policy after the earlier optimizer steps."""
     mode = a.loss_agg_mode
     full = a.use_kl_loss and a.kl_loss_type == "full"
     if full and ref is None:
         raise ValueError("kl_loss_type='full' needs the reference model: update_actor(..., ref=ref)")
     ref = dist.unwrap(ref) if full else None
+    if entropy_out is not None:  # which rows' entropy is recorded: the first pass over each row
+        batch = {**batch, "row": torch.arange(len(batch["responses"]), device=batch["responses"].device)}
+        seen = torch.zeros(len(batch["responses"]), dtype=torch.bool, device=entropy_out.device)
 
     def micro_loss(mb, norm):
         mask = mb["response_mask"]
         with autocast(mb["sequences"].device):
             logits = response_logits(actor, mb, temperature, spec.packed)
         logp = logprobs_from_logits(logits, mb["responses"])
+        if entropy_out is not None:
+            with torch.no_grad():
+                fresh = ~seen[mb["row"]]
+                if fresh.all():
+                    entropy_out[mb["row"]] = entropy_from_logits(logits)
+                elif fresh.any():
+                    entropy_out[mb["row"][fresh]] = entropy_from_logits(logits[fresh])
+                seen[mb["row"]] = True
         pg_loss, m = compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
                                          a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon)
         loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}

@@ -90,6 +90,15 @@ def test_dataclass_defaults_are_verls():
     assert list(cfg.actor_rollout_ref.actor.optim.betas) == [0.9, 0.999]
 
 
+def test_bypass_mode_is_verls_key_with_nanokl_default_auto():
+    """verl's algorithm.rollout_correction.bypass_mode (default false there); nanokl defaults to auto,
+    which is on only where the rollout's log-probs equal a recomputation (workers.rollout_log_probs_are_old)."""
+    assert Config().algorithm.rollout_correction.bypass_mode == "auto"
+    for text, value in (("true", True), ("false", False), ("auto", "auto")):
+        got = load_config(TINY, [f"algorithm.rollout_correction.bypass_mode={text}"])
+        assert got.algorithm.rollout_correction.bypass_mode == value
+
+
 def test_names_are_validated_against_the_lists_their_lessons_own():
     """Every name a lesson module or the task table declares is accepted under its key, so a new
     estimator, mode or task needs no change here (the lists themselves are pinned by test_kl.py,

@@ -59,6 +59,8 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
     ("trainer.kl_monitor.kl_stop_action=panic", "trainer.kl_monitor.kl_stop_action must be one of warn, stop, rollback"),
     ("reward_model.train.loss=listnet", "reward_model.train.loss must be one of bt, pl"),
     ("data.truncation=middle", "data.truncation must be one of error, left, right"),
+    ("algorithm.rollout_correction.bypass_mode=sometimes",
+     "algorithm.rollout_correction.bypass_mode expects bool or one of auto, got 'sometimes'"),
 ])
 def test_bad_choice_lists_the_valid_ones(override, expected):
     assert expected in error_of(load_config, None, [override])
@@ -110,6 +112,19 @@ def test_bad_choice_lists_the_valid_ones(override, expected):
 def test_impossible_value_names_the_key_and_the_argument(override, key):
     msg = error_of(load_config, TINY, [override])
     assert key in msg and f"argument '{override}'" in msg
+
+
+def test_bypass_mode_true_needs_log_probs_at_the_training_temperature():
+    """A greedy rollout records temperature-1 log-probs: explicit bypass is refused at another temperature,
+    accepted at temperature 1 or when sampling; auto and false are always accepted (auto then recomputes)."""
+    greedy = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.temperature=0.7"]
+    msg = error_of(load_config, TINY, ["algorithm.rollout_correction.bypass_mode=true", *greedy])
+    assert "algorithm.rollout_correction.bypass_mode=true" in msg and "temperature (0.7)" in msg
+    for ok in (["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.do_sample=false"],
+               ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.temperature=0.7"],
+               ["algorithm.rollout_correction.bypass_mode=auto", *greedy],
+               ["algorithm.rollout_correction.bypass_mode=false", *greedy]):
+        load_config(TINY, ok)
 
 
 def test_an_enabled_reward_model_needs_a_path():

@@ -41,14 +41,15 @@ def run(sft_dir, run_dir, *extra):
 
 COMMON_KEYS = ["actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
                "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/step", "perf/throughput",
-               "rollout/log_prob_max_diff", "training/global_step", "val-core/arith/acc/mean@1"]
+               "rollout/bypass", "training/global_step", "val-core/arith/acc/mean@1"]
 
 
 @pytest.mark.parametrize("name,extra,keys", [
     ("kl_in_reward", ["actor_rollout_ref.actor.use_kl_loss=false"],
      ["actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "critic/vf_explained_var", "critic/vf_loss"]),
-    ("kl_loss", ["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true"],
-     ["actor/kl_loss", "actor/kl_coef", "critic/vf_loss"]),
+    ("kl_loss", ["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
+                 "algorithm.rollout_correction.bypass_mode=false"],  # the recomputing forward
+     ["actor/kl_loss", "actor/kl_coef", "critic/vf_loss", "rollout/log_prob_max_diff", "timing_s/old_log_prob"]),
     ("grpo", ["--config", str(ROOT / "configs" / "grpo_arith.yaml"), "actor_rollout_ref.rollout.n=4",
               "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
      ["actor/kl_loss", "critic/advantages/mean"]),
@@ -72,8 +73,33 @@ def test_smoke_runs(sft_dir, tmp_path, name, extra, keys):
             assert isinstance(v, (int, float)) and math.isfinite(v), f"{name}: {k}={v}"
     if name == "grpo":
         assert "critic/vf_loss" not in last  # no critic
-    # rollout log-probs and the recomputed ones agree to float error (same weights, same formula)
-    assert last["rollout/log_prob_max_diff"] < 1e-4
+    if name == "kl_loss":  # rollout log-probs and the recomputed ones agree to float error (same weights, same formula)
+        assert last["rollout/log_prob_max_diff"] < 1e-4 and last["rollout/bypass"] == 0.0
+    else:  # CPU, the fp32 actor samples: bypass_mode=auto takes the old log-probs from the rollout
+        assert last["rollout/bypass"] == 1.0 and "timing_s/old_log_prob" not in last
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_bypass_step_equals_the_recomputing_step(sft_dir, tmp_path, packed):
+    """The same first step (same seed: the same rollout) with the old log-probs taken from the
+    rollout and recomputed by a forward: one mini-batch, so pi_old is the policy of the whole
+    update and every number agrees to float error (losses, KL, grad norm, entropy: 1e-4 relative;
+    the rollout and a training forward differ by ~1e-6 in log-prob), and so do the weights after it."""
+    rows, weights_after = {}, {}
+    for mode in ("true", "false"):
+        d = tmp_path / mode
+        rows[mode] = run(sft_dir, d, "--config", str(ROOT / "configs" / "grpo_arith.yaml"),
+                         "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_training_steps=1",
+                         "trainer.test_freq=-1", "trainer.save_freq=1", f"actor_rollout_ref.model.use_remove_padding={packed}",
+                         f"algorithm.rollout_correction.bypass_mode={mode}")[-1]
+        weights_after[mode] = weights(latest_checkpoint(d) / "actor")
+    by, re_ = rows["true"], rows["false"]
+    assert by["rollout/bypass"] == 1.0 and re_["rollout/bypass"] == 0.0
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
+        assert abs(by[k] - re_[k]) <= 1e-4 * max(1.0, abs(re_[k])), k
+    for name, w in weights_after["false"].items():
+        assert torch.allclose(weights_after["true"][name], w, atol=1e-6), name
 
 
 def test_full_kl_in_the_reward_equals_kl_div_recomputed(sft_dir, tmp_path, monkeypatch):

@@ -265,3 +265,87 @@ def test_full_kl_loss_runs_over_epochs_and_needs_the_reference():
     assert "actor/nan_skipped" not in metrics
     with pytest.raises(ValueError, match="reference"):
         W.update_actor(pol, opt, batch, a, 0.7, mini_size=3, kl_loss_coef=0.1)
+
+
+# --------------------------------------------------------------------------------------
+# Old log-probs from the rollout (verl's bypass mode) instead of a recomputing forward.
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, same, do_sample, temperature, expected", [
+    ("auto", True, True, 0.7, True),     # the fp32 actor sampled, at the training temperature
+    ("auto", False, True, 1.0, False),   # a bf16 rollout copy (CUDA): other numerics, recompute
+    ("auto", True, False, 1.0, True),    # greedy records temperature 1: the training temperature here
+    ("auto", True, False, 0.7, False),   # ... but not here
+    (True, False, True, 0.7, True),      # asked for: the sampler's own log-probs anchor PPO
+    (True, True, False, 0.7, False),     # never a different temperature's (config_rules refuses it)
+    (False, True, True, 1.0, False),
+])
+def test_when_rollout_log_probs_are_the_old_ones(mode, same, do_sample, temperature, expected):
+    assert W.rollout_log_probs_are_old(mode, same_numerics=same, do_sample=do_sample,
+                                       temperature=temperature) is expected
+
+
+@pytest.mark.parametrize("top_k, top_p, spec", [(-1, 1.0, Batching()), (5, 0.8, Batching(micro_size=2)),
+                                                (-1, 1.0, Batching(packed=True))])
+def test_rollout_log_probs_give_the_recomputed_update(top_k, top_p, spec):
+    """The rollout's log-probs (temperature 0.7, with and without top-k/top-p filtering, which the
+    recorded log-prob ignores as training does) are the actor's old log-probs up to float error
+    (<= 1e-5), and one update_actor with them equals one with the recomputed ones: the gradient the
+    optimizer gets within 1e-5 relative in norm, the metrics within 1e-5. The entropy recorded from
+    the update's own logits equals compute_log_probs' entropy on the unchanged policy (<= 1e-5)."""
+    m = tiny().eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, V, (6, 5), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[4, :1] = 0
+    out = generate(m, ids.masked_fill(mask == 0, 0), mask, 7, temperature=0.7, top_k=top_k, top_p=top_p,
+                   eos_token_id=1, pad_token_id=0, generator=g)
+    batch = {"sequences": out.sequences, "attention_mask": out.attention_mask, "position_ids": out.position_ids,
+             "responses": out.responses, "response_mask": out.response_mask}
+    rmask = out.response_mask
+    recomputed, ent = W.compute_log_probs(m, batch, 0.7, with_entropy=True)
+    assert ((out.log_probs - recomputed).abs() * rmask).max() <= 1e-5
+    batch["ref_log_probs"] = recomputed - 0.1 * torch.rand(rmask.shape, generator=g)
+    batch["advantages"] = torch.randn(rmask.shape, generator=g)
+    a = SimpleNamespace(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+                        entropy_coeff=0.0, use_kl_loss=True, kl_loss_type="low_var_kl", ppo_epochs=1,
+                        shuffle=False, grad_clip=1e9)
+    results = []
+    for old in (recomputed, out.log_probs):
+        m.train().zero_grad()
+        opt, got = Recorder(m.parameters()), torch.full(rmask.shape, float("nan"))
+        metrics = W.update_actor(m, opt, {**batch, "old_log_probs": old}, a, 0.7, mini_size=6, spec=spec,
+                                 kl_loss_coef=0.04, entropy_out=got)
+        results.append((torch.cat([s.flatten() for s in opt.seen]), metrics, got))
+    (g_re, m_re, ent_re), (g_by, m_by, ent_by) = results
+    assert (g_by - g_re).norm() <= 1e-5 * g_re.norm()
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac"):
+        assert abs(m_by[k][0] - m_re[k][0]) <= 1e-5, k
+    for e in (ent_re, ent_by):
+        assert ((e - ent).abs() * rmask).max() <= 1e-5  # every row recorded, from pi_old's logits
+
+
+def test_entropy_is_recorded_on_the_first_pass_over_each_row():
+    """Two mini-batches and two epochs: each row's entropy comes from the pass that first saw it,
+    i.e. the policy before (rows 0-2) or after (rows 3-5) the first optimizer step, never from the
+    second epoch. Checked against compute_log_probs on copies of the policy at those two moments."""
+    m = tiny().train()
+    batch, _ = rollout_batch(m.eval(), B=6)
+    rmask = batch["response_mask"]
+    batch["old_log_probs"], before = W.compute_log_probs(m, batch, 1.0, with_entropy=True)
+    batch["advantages"] = torch.randn(rmask.shape, generator=torch.Generator().manual_seed(2))
+    a = SimpleNamespace(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+                        entropy_coeff=0.0, use_kl_loss=False, kl_loss_type="low_var_kl", ppo_epochs=2,
+                        shuffle=False, grad_clip=1.0)
+    seen = []
+
+    class Snap(torch.optim.SGD):  # the entropy of every row right after each optimizer step
+        def step(self):
+            super().step()
+            seen.append(W.compute_log_probs(m, batch, 1.0, with_entropy=True)[1])
+    got = torch.full(rmask.shape, float("nan"))
+    W.update_actor(m.train(), Snap(m.parameters(), lr=0.5), batch, a, 1.0, mini_size=3, kl_loss_coef=0.0,
+                   entropy_out=got)
+    assert ((got[:3] - before[:3]).abs() * rmask[:3]).max() <= 1e-5
+    assert ((got[3:] - seen[0][3:]).abs() * rmask[3:]).max() <= 1e-5
+    assert ((seen[0][3:] - before[3:]).abs() * rmask[3:]).max() > 1e-3  # the step did move the policy

@@ -160,7 +160,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = False  # micro-batch that forward by tokens
     log_prob_max_token_len_per_gpu: int = 16384  # that token budget, per GPU
     use_cuda_graph: bool = True  # capture the decode step in CUDA graphs (verl: enforce_eager=False)
-    max_batch_size: Optional[int] = None  # largest CUDA-graph batch bucket; None: rollout picks from the batch
+    max_batch_size: Optional[int] = None  # rows the CUDA-graph engine holds; None: per-rank rows x n or val chunk
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
@@ -239,6 +239,15 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # verl's key, and verl's meaning: take pi_old's log-probs from the rollout instead of a forward of
+    # the actor. verl's default is false; nanokl's "auto" turns it on only where the two are the same
+    # numbers up to float error (the fp32 actor itself samples, on CPU, at the training temperature):
+    # one forward fewer per step. workers.rollout_log_probs_are_old states the rule.
+    bypass_mode: Union[bool, Literal["auto"]] = "auto"  # true | false | auto
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0  # discount per token
     lam: float = 1.0  # GAE lambda: 0 one-step TD, 1 Monte-Carlo
@@ -247,6 +256,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # subtract beta * KL(pi || pi_ref) from each token's reward
     kl_penalty: str = "kl"  # estimator for that in-reward KL (kl.KL_KINDS)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

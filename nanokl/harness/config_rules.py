@@ -156,6 +156,12 @@ def validate(cfg):
         raise ConfigError(f"{_R}val_kwargs.temperature must be > 0 when val_kwargs.do_sample is true, got "
                           f"{rollout.val_kwargs.temperature}",
                           keys=(_R + "val_kwargs.temperature", _R + "val_kwargs.do_sample"))
+    greedy = not rollout.do_sample or rollout.temperature == 0
+    if cfg.algorithm.rollout_correction.bypass_mode is True and greedy and rollout.temperature != 1:
+        raise ConfigError(f"algorithm.rollout_correction.bypass_mode=true takes the old log-probs from the rollout, "
+                          f"but a greedy rollout records them at temperature 1, not at {_R}temperature "
+                          f"({rollout.temperature}): use auto or false, or temperature 1",
+                          keys=("algorithm.rollout_correction.bypass_mode", _R + "temperature", _R + "do_sample"))
     mon = cfg.trainer.kl_monitor
     if mon.kl_low >= mon.kl_high:
         raise ConfigError(f"{_M}kl_low ({mon.kl_low}) must be below kl_high ({mon.kl_high}): the healthy KL band "
