@@ -4,8 +4,7 @@ The idea
 --------
 `torchrun --nproc_per_node=8 train_ppo.py` starts 8 copies of the script; each reads RANK,
 WORLD_SIZE and LOCAL_RANK from its environment and joins one process group (NCCL on GPUs, gloo on
-CPU). A plain `python train_ppo.py` is world size 1 and needs no process group: every helper
-below is then the identity. The data are split, the models are not (or are sharded):
+CPU). The data are split, the models are not (or are sharded):
 
 - `none`: one process holds the whole model (world size 1).
 - `ddp` (DistributedDataParallel): every rank holds a full replica; backward all-reduces (averages)
@@ -14,25 +13,44 @@ below is then the identity. The data are split, the models are not (or are shard
 - `fsdp2` (`torch.distributed.fsdp.fully_shard`, Zhao et al. 2023): each decoder layer and the root
   are sharded across the ranks; a layer's full weights are all-gathered just before its forward or
   backward and freed after, gradients are reduce-scattered. Memory per GPU: 16/W bytes/parameter
-  plus one layer's gathered weights. On CUDA a `MixedPrecisionPolicy` computes in bf16 and reduces
-  gradients in fp32; the fp32 master weights stay sharded. The reference model is sharded too.
+  plus one layer's gathered weights. A `MixedPrecisionPolicy` gathers and computes in `param_dtype`
+  (bf16 on CUDA, fp32 on CPU unless asked) and reduces gradients in fp32; the fp32 master weights
+  and Adam's moments stay sharded. The reference model is sharded too.
+
+Who gets a process group. A plain `python train_ppo.py` gets none: every helper below is then the
+identity and the run is the same, bit for bit, as if this module did not exist. Any process that
+torchrun started (its environment names RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) joins a group,
+*even at world size 1*: the configured strategy is then applied as written, so
+`torchrun --nproc_per_node=1` with fsdp2 really shards over one rank (the parameters are DTensors
+on a 1-device mesh, gathered through NCCL, computed in bf16 by the policy) and one GPU exercises
+the code that eight run. Collectives that only combine ranks' values (`all_reduce`, `barrier`)
+are skipped when there is one rank: their result would be their input.
 
 Rollout needs the policy's whole weights on every rank, and a CUDA graph needs them at fixed
 addresses. nanokl's minimal version of verl's hybrid engine keeps one *rollout copy* of the policy
-per rank (bf16 on CUDA, fp32 on CPU); after each update `sync_rollout_weights` all-gathers the
-actor's shards one tensor at a time (`DTensor.full_tensor()`) and copies them in place, so the
-copy's storage never moves and its captured graphs stay valid. Memory cost: 2 bytes/parameter for
-the bf16 copy (its KV cache on top), plus one full fp32 tensor in flight during the sync. With
-`none` on CPU the actor itself is the rollout model (no copy); with `ddp` the copy shares nothing
-with the replica only on CUDA (bf16), on CPU rollout reads the replica's module directly.
+per rank (bf16 on CUDA, fp32 on CPU) wherever the actor is sharded (`sharded`) or on CUDA; after
+each update `sync_rollout_weights` all-gathers the actor's fp32 shards one tensor at a time
+(`DTensor.full_tensor()`) and copies them in place, so the copy's storage never moves and its
+captured graphs stay valid. FSDP2 leaves the root's *unsharded* parameters registered after a
+no-grad forward (it expects a backward next), in the policy's bf16; the sync re-shards first, so
+it always reads the fp32 masters. Memory cost: 2 bytes/parameter for the bf16 copy (its KV cache
+on top), plus one full fp32 tensor in flight during the sync. With `none` on CPU the actor itself
+is the rollout model (no copy); with `ddp` on CPU rollout reads the replica's module directly.
 
 Data-parallel semantics (train_ppo.py): rank r takes prompts [r*B/W, (r+1)*B/W) of the global
 batch, so a GRPO group (the n samples of a prompt) never straddles two ranks; advantage whitening,
 the KL the controller sees and every logged metric are reduced over ranks (`all_reduce`), so the
 numbers do not depend on W; rank 0 logs and writes checkpoints, which hold full (gathered)
 HF-format weights and an optimizer state keyed by parameter name (`optimizer_state`), loadable by
-any world size. tests/test_dist.py spawns 2 gloo processes and checks that one PPO update with DDP
-and with FSDP2 gives the parameters of one process on the whole batch (<= 1e-5 fp32).
+any world size. On resume only rank 0 reads them: `load_optimizer_state` and
+`load_full_state_dict` broadcast each tensor from rank 0, and each rank keeps its shard.
+
+How the tests check it (tests/test_dist.py, gloo processes on CPU): one PPO update with DDP and
+with FSDP2 over 2 processes gives the parameters of one process on the whole batch (<= 1e-5 fp32);
+FSDP2 under torchrun at world size 1 holds DTensors and gives them too; FSDP2 with a bf16 policy
+matches one process that computes in bf16 from fp32 masters; the rollout copy equals the weights
+after an update and after a no-grad forward; a checkpoint restored over 2 processes continues
+exactly like the uninterrupted run, and rank 1 never opens optim.pt or the weights.
 """
 
 import contextlib
@@ -42,21 +60,23 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+
+# torch.distributed.checkpoint and .fsdp are imported where used: ~2 s that a plain run never needs
+
+
+def launched():
+    """True when a launcher (torchrun) started this process: the env:// rendezvous is set."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def init():
-    """(rank, world_size, device) from torchrun's environment; joins the process group if W > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    """(rank, world_size, device); joins the process group whenever torchrun started the process."""
     cuda = torch.cuda.is_available()
-    if world > 1 and not dist.is_initialized():
+    if launched() and dist.is_available() and not dist.is_initialized():
         if cuda:
-            torch.cuda.set_device(local)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
-    return rank(), world, local_device()
+    return rank(), world(), local_device()
 
 
 def local_device(setting="auto"):
@@ -68,7 +88,8 @@ def local_device(setting="auto"):
 
 
 def active():
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """A process group exists (torchrun started us), at any world size."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def rank():
@@ -79,8 +100,13 @@ def world():
     return dist.get_world_size() if active() else 1
 
 
+def sharded(strategy):
+    """Whether `wrap(model, strategy, ...)` shards the model (its parameters become DTensors)."""
+    return strategy == "fsdp2" and active()
+
+
 def barrier():
-    if active():
+    if world() > 1:
         dist.barrier()
 
 
@@ -88,7 +114,7 @@ def destroy():
     """Leave the process group. Call it after the wrapped models are gone: a DDP Reducer that
     outlives the group joins gloo's threads in its destructor at interpreter exit and can hang
     once the peer has left; the barrier makes every rank arrive before any leaves."""
-    if dist.is_available() and dist.is_initialized():
+    if active():
         dist.barrier()
         gc.collect()  # DDP wrappers sit in reference cycles: free them (and their Reducers) now
         dist.destroy_process_group()
@@ -97,7 +123,7 @@ def destroy():
 def all_reduce(t, op="sum"):
     """A tensor reduced over ranks (a new tensor; the identity at world size 1)."""
     t = torch.as_tensor(t).clone()
-    if active():
+    if world() > 1:
         home = t.device
         if dist.get_backend() == "nccl" and home.type != "cuda":
             t = t.cuda()  # NCCL reduces GPU tensors only
@@ -112,8 +138,21 @@ def all_reduce_moments(stats):
     return tuple(all_reduce(x) for x in stats)
 
 
-def wrap(model, strategy, device, trainable=True):
+def broadcast_object(obj):
+    """Rank 0's `obj` (any picklable value) on every rank; the others may pass None."""
+    if world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def wrap(model, strategy, device, trainable=True, param_dtype=None):
     """The model as its strategy runs it: itself, a DDP replica, or FSDP2-sharded.
+
+    Under torchrun the strategy applies at every world size (see the module docstring); without
+    a process group the model is returned as is. `param_dtype` is FSDP2's compute dtype (default:
+    bf16 on CUDA, fp32 on CPU); gradients are reduced in fp32 and the sharded masters stay fp32.
 
     Build the optimizer right after wrapping, before any forward: between a no-grad forward and
     the next backward FSDP2 registers the root's *unsharded* parameters on the module, and an
@@ -127,8 +166,10 @@ def wrap(model, strategy, device, trainable=True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (world(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
-        else MixedPrecisionPolicy()
+    param_dtype = param_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # fp32 compute needs no policy (no casts): the same numbers as before the option existed
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
+        if param_dtype != torch.float32 else MixedPrecisionPolicy()
     for layer in unwrap(model).model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -147,8 +188,20 @@ def no_sync(model, skip):
     return contextlib.nullcontext()
 
 
+def reshard(model):
+    """Put FSDP2's sharded fp32 parameters back on the module. After a no-grad forward the root
+    keeps its gathered parameters (in the policy's compute dtype) registered instead."""
+    if not active():
+        return
+    from torch.distributed.fsdp import FSDPModule
+    for m in unwrap(model).modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def full_tensors(model):
     """(name, full tensor) of every parameter, all-gathering FSDP2 shards one at a time."""
+    reshard(model)
     for name, p in unwrap(model).named_parameters():
         yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p)
 
@@ -161,24 +214,38 @@ def sync_rollout_weights(rollout_model, actor):
         p.copy_(full)
 
 
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
 def full_state_dict(model):
     """Full (gathered) weights on rank 0, for an HF-format checkpoint; {} on the other ranks."""
-    sd = get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    sd = get_model_state_dict(unwrap(model), options=_options(cpu_offload=True))
     return sd if rank() == 0 else {}
 
 
 def load_full_state_dict(model, sd):
-    """Load full (unsharded) weights into a plain, DDP or FSDP2 model; each rank keeps its shard."""
-    set_model_state_dict(unwrap(model), sd, options=StateDictOptions(full_state_dict=True))
+    """Load full (unsharded) weights into a plain, DDP or FSDP2 model; each rank keeps its shard.
+    Under torchrun only rank 0's `sd` is read (the others pass {}): it is broadcast tensor by tensor."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(unwrap(model), sd, options=_options(broadcast_from_rank0=active()))
 
 
 def optimizer_state(model, opt):
     """The optimizer's full state keyed by parameter name (rank 0): loadable by any world size."""
-    return get_optimizer_state_dict(unwrap(model), opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    reshard(model)  # names map to the optimizer's (sharded) parameters only when they are registered
+    return get_optimizer_state_dict(unwrap(model), opt, options=_options(cpu_offload=True))
 
 
 def load_optimizer_state(model, opt, state):
-    set_optimizer_state_dict(unwrap(model), opt, state, options=StateDictOptions(full_state_dict=True))
+    """Load a full, name-keyed optimizer state; under torchrun only rank 0's `state` is read (the
+    others pass {}) and each tensor is broadcast from it, so no other rank opens the file."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    reshard(model)
+    set_optimizer_state_dict(unwrap(model), opt, state, options=_options(broadcast_from_rank0=active()))
 
 
 def global_stats(values, mask=None):

@@ -1,29 +1,45 @@
 """One PPO update (critic and actor) on a fixed batch, run by tests/test_dist.py.
 
-    python tests/dist_worker.py --out ref.pt                                 # 1 process, whole batch
-    torchrun --nproc_per_node=2 tests/dist_worker.py --strategy ddp --out ddp.pt
+    python tests/dist_worker.py --reference DIR           # 1 process, whole batch: every reference
+    torchrun --nproc_per_node=2 tests/dist_worker.py --strategy fsdp2 --out w.pt \
+        [--param-dtypes float32,bfloat16] [--checks]
 
 Every process builds the same tiny models and the same batch of 8 responses from fixed seeds,
 keeps its slice of the rows, and runs the real machinery (nanokl.workers updates, nanokl.dist
 wrapping and reductions, GAE whitened over all ranks). Rank 0 saves the full parameters after
 the update and the metrics, which the test compares across world sizes.
+
+`--param-dtypes bfloat16` computes in bf16 from fp32 masters: FSDP2's MixedPrecisionPolicy under
+torchrun; in the one-process reference, every parameter is read through a cast
+(`torch.nn.utils.parametrize`), an implementation of the same arithmetic that shares no code
+with FSDP2: forward and backward in bf16, each gradient cast to fp32 before it is summed.
+
+`--checks` adds, after the update: (a) the rollout copy synced right after the update and (b)
+synced again right after a no-grad forward (which leaves FSDP2's root gathered in bf16), both
+saved for the test; (c) a checkpoint written by nanokl.harness.run.save, a second update (the
+uninterrupted run), then fresh models restored from the checkpoint by run._restore (the
+rollback path: weights, optimizer and scheduler states) and the same second update. Rank 1 must
+not open optim.pt nor the weights: its torch.load and weight loaders raise if it tries.
 """
 
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from types import SimpleNamespace  # noqa: E402
-
 from nanokl import workers as workers  # noqa: E402
 from nanokl import dist  # noqa: E402
 from nanokl import model as M  # noqa: E402
 from nanokl.batching import Batching, token_budget_micro_batches  # noqa: E402
 from nanokl.advantages import compute_gae_advantage_return  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
+
+REFERENCES = {"token-mean": ("token-mean", "float32"), "seq-mean-token-mean": ("seq-mean-token-mean", "float32"),
+              "token-mean-bf16": ("token-mean", "bfloat16")}
 
 
 def tiny(cls, seed):
@@ -35,6 +51,26 @@ def tiny(cls, seed):
         for p in m.parameters():
             p.normal_(0.0, 0.2)
     return m
+
+
+class Cast(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, w):
+        return w.to(self.dtype)
+
+
+def compute_in(model, dtype, on=True):
+    """Read every parameter through a cast to `dtype` (on), or take the casts off again (on=False)."""
+    for m in list(model.modules()):
+        if on:
+            for name, _ in list(m.named_parameters(recurse=False)):
+                parametrize.register_parametrization(m, name, Cast(dtype), unsafe=True)
+        elif parametrize.is_parametrized(m):
+            for name in list(m.parametrizations):
+                parametrize.remove_parametrizations(m, name, leave_parametrized=False)
 
 
 def fixed_batch(policy):
@@ -51,14 +87,15 @@ def fixed_batch(policy):
             "responses": out.responses, "response_mask": out.response_mask}, scores
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--strategy", default="none")
-    ap.add_argument("--mode", default="token-mean")
-    ap.add_argument("--spec", default="fixed", help="fixed: 2 responses per micro-batch; budget: packed, token budget")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+def full_params(actor, critic):
+    params = {f"actor.{k}": v.detach().clone() for k, v in dist.full_tensors(actor)}
+    params.update({f"critic.{k}": v.detach().clone() for k, v in dist.full_tensors(critic)})
+    return params
+
+
+def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None):
     rank, W, device = dist.init()
+    dtype = getattr(torch, param_dtype)
     actor, critic, ref = tiny(M.CausalLM, 1), tiny(M.ValueModel, 2), tiny(M.CausalLM, 3)
     full, scores = fixed_batch(actor.eval())
     init = {f"actor.{k}": v.detach().clone() for k, v in actor.named_parameters()}
@@ -67,19 +104,28 @@ def main():
     rows = slice(rank * per, (rank + 1) * per)
     batch = {k: v[rows] for k, v in full.items()}
     scores = scores[rows]
-    actor, critic = dist.wrap(actor.train(), args.strategy, device), dist.wrap(critic.train(), args.strategy, device)
-    # optimizers right after wrapping: between a no-grad forward and the next backward FSDP2
-    # exposes the root's *unsharded* parameters, which an optimizer must never hold
-    a_opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
-    c_opt = torch.optim.AdamW(critic.parameters(), lr=3e-3)
 
+    def build(actor, critic):
+        if strategy == "none" and dtype != torch.float32:
+            compute_in(actor, dtype), compute_in(critic, dtype)
+        actor = dist.wrap(actor.train(), strategy, device, param_dtype=dtype)
+        critic = dist.wrap(critic.train(), strategy, device, param_dtype=dtype)
+        # optimizers right after wrapping: between a no-grad forward and the next backward FSDP2
+        # exposes the root's *unsharded* parameters, which an optimizer must never hold
+        a_opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
+        c_opt = torch.optim.AdamW(critic.parameters(), lr=3e-3)
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (a_opt, c_opt)]
+        return actor, critic, a_opt, c_opt, scheds
+
+    actor, critic, a_opt, c_opt, scheds = build(actor, critic)
     spec = Batching(micro_size=2)
-    if args.spec == "budget":
+    if spec_name == "budget":
         # packed micro-batches under a token budget chosen so the two halves need different counts:
         # the rank that needs fewer runs an empty (masked) micro-batch to keep the collectives paired
         lengths = full["attention_mask"].sum(-1).tolist()
-        budget = next(b for b in range(max(lengths), sum(lengths))
-                      if len(token_budget_micro_batches(lengths[:4], b)) != len(token_budget_micro_batches(lengths[4:], b)))
+        def count(half, b):
+            return len(token_budget_micro_batches(half, b))
+        budget = next(b for b in range(max(lengths), sum(lengths)) if count(lengths[:4], b) != count(lengths[4:], b))
         spec = Batching(token_budget=budget, packed=True)
     batch["old_log_probs"], _ = workers.compute_log_probs(actor, batch, 1.0, spec)
     batch["ref_log_probs"], _ = workers.compute_log_probs(ref, batch, 1.0, spec)
@@ -88,19 +134,103 @@ def main():
                                             whiten_stats=dist.all_reduce_moments)
     batch.update(advantages=adv, returns=ret)
 
-    a = SimpleNamespace(loss_agg_mode=args.mode, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+    a = SimpleNamespace(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
                         entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.1,
                         ppo_epochs=2, shuffle=False, grad_clip=1.0)
-    c = SimpleNamespace(loss_agg_mode=args.mode, cliprange_value=0.5, ppo_epochs=2, shuffle=False, grad_clip=1.0)
-    # one mini-batch holding all 8 responses (8 // W on each rank), micro-batches of 2
-    metrics = dict(workers.update_critic(critic, c_opt, batch, c, 8 // W, spec, horizon=7))
-    metrics.update(workers.update_actor(actor, a_opt, batch, a, 1.0, 8 // W, spec, horizon=7,
-                                        kl_loss_coef=a.kl_loss_coef))
-    params = {f"actor.{k}": v.detach().clone() for k, v in dist.full_tensors(actor)}
-    params.update({f"critic.{k}": v.detach().clone() for k, v in dist.full_tensors(critic)})
-    if rank == 0:
-        torch.save({"params": params, "init": init, "metrics": metrics}, args.out)
+    c = SimpleNamespace(loss_agg_mode=mode, cliprange_value=0.5, ppo_epochs=2, shuffle=False, grad_clip=1.0)
+
+    def update(actor, critic, a_opt, c_opt):
+        # one mini-batch holding all 8 responses (8 // W on each rank), micro-batches of 2
+        metrics = dict(workers.update_critic(critic, c_opt, batch, c, 8 // W, spec, horizon=7))
+        metrics.update(workers.update_actor(actor, a_opt, batch, a, 1.0, 8 // W, spec, horizon=7,
+                                            kl_loss_coef=a.kl_loss_coef))
+        return metrics
+
+    metrics = update(actor, critic, a_opt, c_opt)
+    if strategy == "none" and dtype != torch.float32:
+        compute_in(actor, dtype, on=False), compute_in(critic, dtype, on=False)
+    p = next(dist.unwrap(actor).parameters())
+    out = {"params": full_params(actor, critic), "init": init, "metrics": metrics, "world": W,
+           "dtensor": [type(q).__name__ == "DTensor" for q in dist.unwrap(actor).parameters()],
+           "mesh": p.device_mesh.size() if hasattr(p, "device_mesh") else None}
+    if checks:
+        out.update(run_checks(rank, W, actor, critic, a_opt, c_opt, scheds, build, update, batch, spec, ckpt_dir))
     del actor, critic, a_opt, c_opt  # release the DDP/FSDP wrappers before leaving the group
+    return out
+
+
+def run_checks(rank, W, actor, critic, a_opt, c_opt, scheds, build, update, batch, spec, ckpt_dir):
+    from nanokl.harness import run as harness
+    from nanokl.kl_ctrl import FixedKLController
+    out = {}
+    rollout = tiny(M.CausalLM, 4)  # other values than the actor's: a missed or partial sync shows
+    dist.sync_rollout_weights(rollout, actor)
+    out["rollout_after_update"] = {f"actor.{k}": v.clone() for k, v in rollout.state_dict().items()}
+    workers.compute_log_probs(actor, batch, 1.0, spec)  # no grad: FSDP2 leaves the root gathered
+    dist.sync_rollout_weights(rollout, actor)
+    out["rollout_after_forward"] = {f"actor.{k}": v.clone() for k, v in rollout.state_dict().items()}
+
+    def fake_run(actor, critic, a_opt, c_opt, scheds):
+        return SimpleNamespace(rank=rank, actor=actor, critic=critic, actor_opt=a_opt, critic_opt=c_opt,
+                               actor_sched=scheds[0], critic_sched=scheds[1], rollout_model=tiny(M.CausalLM, 5),
+                               rollout_copy=True, run_dir=Path(ckpt_dir), healthy_step=None, nan_streak=0,
+                               kl_ctrl=FixedKLController(0.0), kl_loss_ctrl=FixedKLController(0.1), monitor=None,
+                               tok=None, cfg=SimpleNamespace(trainer=SimpleNamespace(max_actor_ckpt_to_keep=None)))
+    for s in scheds:
+        s.step()
+    path = harness.save(fake_run(actor, critic, a_opt, c_opt, scheds), 1)
+    for s in scheds:
+        s.step()  # the next step's learning rate: a restored scheduler must agree
+    update(actor, critic, a_opt, c_opt)
+    out["straight"] = full_params(actor, critic)
+
+    if rank != 0:  # rank 1 must receive the states from rank 0, never open them itself
+        real_load = torch.load
+
+        def guarded_load(f, *args, **kw):
+            assert not (isinstance(f, (str, Path)) and Path(f).name == "optim.pt"), f"rank {rank} opened {f}"
+            return real_load(f, *args, **kw)
+
+        def refuse(path, *args, **kw):
+            raise AssertionError(f"rank {rank} loaded the weights at {path}")
+        torch.load, harness.from_pretrained, harness.load_value_model = guarded_load, refuse, refuse
+    actor2, critic2, a_opt2, c_opt2, scheds2 = build(tiny(M.CausalLM, 11), tiny(M.ValueModel, 12))
+    r2 = fake_run(actor2, critic2, a_opt2, c_opt2, scheds2)
+    sched_states, _ = harness._restore(r2, path, weights=True)
+    for name, s in (("actor", scheds2[0]), ("critic", scheds2[1])):
+        s.load_state_dict(sched_states[f"{name}_sched"])
+        s.step()
+    out["restored_rollout"] = {f"actor.{k}": v.clone() for k, v in r2.rollout_model.state_dict().items()}
+    update(actor2, critic2, a_opt2, c_opt2)
+    resumed = full_params(actor2, critic2)
+    out["resumed"] = resumed
+    # DDP replicas on other ranks must agree with rank 0's (rank 0 alone saves what the test sees)
+    out["replica_spread"] = max((dist.all_reduce(v, "max") - dist.all_reduce(v, "min")).abs().max().item()
+                                for v in resumed.values())
+    out["guarded_ranks"] = dist.all_reduce(torch.tensor(float(rank != 0))).item()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", default="none")
+    ap.add_argument("--mode", default="token-mean")
+    ap.add_argument("--spec", default="fixed", help="fixed: 2 responses per micro-batch; budget: packed, token budget")
+    ap.add_argument("--param-dtypes", default="float32",
+                    help="compute dtypes (FSDP2's MixedPrecisionPolicy), comma-separated: one update each")
+    ap.add_argument("--checks", action="store_true", help="rollout sync and checkpoint restore checks")
+    ap.add_argument("--out", help="result file (rank 0 writes it)")
+    ap.add_argument("--reference", help="directory: write every 1-process reference into it")
+    args = ap.parse_args()
+    if args.reference:
+        for name, (mode, dtype) in REFERENCES.items():
+            torch.save(run("none", mode, "fixed", dtype), Path(args.reference) / f"{name}.pt")
+        return
+    # several dtypes share one launch: starting the processes costs more than the updates
+    out = {dtype: run(args.strategy, args.mode, args.spec, dtype, args.checks, Path(args.out).parent / f"ckpt_{dtype}")
+           for dtype in args.param_dtypes.split(",")}
+    if dist.rank() == 0:
+        torch.save(out, args.out)
     dist.destroy()
 
 

@@ -7,7 +7,8 @@ never stopped, a checkpoint holds everything the next step reads:
 
     actor/, critic/         Hugging Face-format weights (config.json + model.safetensors, and the
                             tokenizer beside the actor), loadable by `transformers` and generate.py
-    optim.pt                optimizer and LR-scheduler states (AdamW's moments, the step count)
+    optim.pt                optimizer and LR-scheduler states (AdamW's moments, the step count),
+                            full and keyed by parameter name; under torchrun only rank 0 reads it
     trainer_state.pt        global step, the KL controller's beta, and every RNG state (torch CPU,
                             CUDA, and the rollout sampler's generator)
 
@@ -104,13 +105,15 @@ def latest_checkpoint(run_dir) -> Path | None:
     return max(done, key=lambda p: int(p.name.rsplit("_", 1)[1]), default=None)
 
 
-def load_state(path) -> tuple[dict, dict]:
+def load_state(path, read_optim=True) -> tuple[dict | None, dict]:
     """(optimizer states, trainer state) of a checkpoint directory; weights load separately
-    with nanokl.harness.hf_format.from_pretrained(path / "actor") etc."""
+    with nanokl.harness.hf_format.from_pretrained(path / "actor") etc. Under torchrun only rank 0
+    passes read_optim (it gets None otherwise): the states are then broadcast from rank 0
+    (nanokl/dist.py), so N ranks do not each hold a full copy of Adam's moments in memory."""
     path = Path(path)
     for f in ("optim.pt", "trainer_state.pt"):
         if not (path / f).is_file():
             raise UserError(f"{path}: not a nanokl checkpoint (no {f})")
-    optim = torch.load(path / "optim.pt", weights_only=True, map_location="cpu")
+    optim = torch.load(path / "optim.pt", weights_only=True, map_location="cpu") if read_optim else None
     trainer = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
     return optim, trainer
