@@ -319,10 +319,11 @@ def _engine_for(model, rows, length):
     """The engine of this model, made by this call when there is none, rebuilt when the call does
     not fit it (see the module docstring)."""
     eng = _ENGINES.get(model)
+    roomy = -(-length // 128) * 128  # slots rounded up: a slightly longer prompt next time still fits
     if eng is None:
-        eng = _ENGINES[model] = GraphEngine(model, rows, -(-length // 128) * 128)
+        eng = _ENGINES[model] = GraphEngine(model, rows, roomy)
     elif not eng.fits(model, rows, length):
-        eng.rebuild(model, max(rows, eng.buckets[-1]), eng.max_len if length <= eng.max_len else -(-length // 128) * 128)
+        eng.rebuild(model, max(rows, eng.buckets[-1]), eng.max_len if length <= eng.max_len else roomy)
     return eng
 
 

@@ -452,7 +452,8 @@ def test_a_ppo_run_sizes_the_engine_from_its_config_and_never_rebuilds(fake, sft
     # training: 16 rows sampled (bucket 16); validation: chunks of 5, 5, 2 prompts, greedy (buckets 8, 2)
     assert stats == {"captures": 3, "rebuilds": 0, "graphs": 3, "buckets": [1, 2, 4, 8, 16], "max_len": max_len}
     # the same run decoded eagerly samples the same responses (full bucket: the same draws; greedy)
-    train_ppo.main([*args, f"trainer.default_local_dir={tmp_path / 'eager'}", "actor_rollout_ref.rollout.use_cuda_graph=false"])
+    train_ppo.main([*args, f"trainer.default_local_dir={tmp_path / 'eager'}",
+                    "actor_rollout_ref.rollout.use_cuda_graph=false"])
     graphs, eager = read_metrics(tmp_path / "graphs"), read_metrics(tmp_path / "eager")
     assert [r["training/global_step"] for r in graphs] == [0, 1, 2, 3]
     compared = 0
