@@ -8,7 +8,11 @@ Qwen2.5-0.5B's exact shape (what the speed depends on) and a byte-level BPE trai
 GSM8K questions. A random policy rarely emits EOS, so every response runs to
 max_response_length: the step does the most work it can. Runs `train_ppo.main` with the GSM8K
 config (fsdp2 strategy at world size 1, bf16 rollout copy, CUDA graphs) for a few steps and prints
-perf/throughput (tokens/s/GPU), the timing_s/* breakdown and peak GPU memory from metrics.jsonl.
+perf/throughput (tokens/s/GPU), the timing_s/* breakdown and peak GPU memory from metrics.jsonl,
+and how the actor was wrapped: under `torchrun --nproc_per_node=1` fsdp2 must really shard (every
+parameter a DTensor on a 1-rank mesh); plain `python` has no process group and leaves it unwrapped.
+These figures also go to OUT/summary.json (keys strategy, world, sharded, mesh, ...), which
+bench/gpu_summary.py reads.
 """
 
 import argparse
@@ -21,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_ppo  # noqa: E402
+from nanokl import dist  # noqa: E402
 from nanokl.harness.hf_format import save_pretrained  # noqa: E402
 from nanokl.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from nanokl.harness.tokenizer import train_tokenizer  # noqa: E402
@@ -34,6 +39,24 @@ SHAPES = {
 }
 
 
+def train(argv):
+    """train_ppo.main, keeping the Run so that the bench can say how the actor was wrapped."""
+    run = train_ppo.setup(train_ppo.parse_cli(argv))
+    for step in train_ppo.steps(run):
+        if not train_ppo.end_step(run, step, train_ppo.ppo_step(run, step)):
+            break
+    run.tracker.close()
+    return run
+
+
+def sharding(model):
+    """(sharded, mesh size, how many parameters are DTensors, how many parameters)."""
+    params = list(dist.unwrap(model).parameters())
+    dtensors = [p for p in params if type(p).__name__ == "DTensor"]
+    mesh = dtensors[0].device_mesh.size() if dtensors else None
+    return len(dtensors) == len(params) > 0, mesh, len(dtensors), len(params)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="GSM8K train.jsonl")
@@ -43,6 +66,8 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=128, help="prompts per step")
     ap.add_argument("--response", type=int, default=256, help="max response tokens")
+    ap.add_argument("--strategy", choices=["none", "ddp", "fsdp2"], help="actor (and critic, reference) strategy; "
+                    "default: the config's (fsdp2)")
     args = ap.parse_args()
     out = Path(args.out)
     model_dir = out / "model"
@@ -58,14 +83,23 @@ def main():
     del model
     run_dir = out / "run"
     B, mini = args.batch, max(1, args.batch // 2)
-    train_ppo.main(["--config", str(ROOT / "configs" / "gsm8k_qwen2.5_0.5b.yaml"),
-                    f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={args.data}",
-                    f"data.val_files={args.data}", f"data.train_batch_size={B}", f"data.max_response_length={args.response}",
-                    "data.max_prompt_length=256", "data.truncation=left", "data.prompt_template=plain",
-                    f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"critic.ppo_mini_batch_size={mini}",
-                    f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                    "trainer.save_freq=-1", f"trainer.device={args.device}", f"trainer.default_local_dir={run_dir}",
-                    "trainer.logger=[jsonl]", "trainer.resume_mode=disable"])
+    argv = ["--config", str(ROOT / "configs" / "gsm8k_qwen2.5_0.5b.yaml"),
+            f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={args.data}",
+            f"data.val_files={args.data}", f"data.train_batch_size={B}", f"data.max_response_length={args.response}",
+            "data.max_prompt_length=256", "data.truncation=left", "data.prompt_template=plain",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"critic.ppo_mini_batch_size={mini}",
+            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+            "trainer.save_freq=-1", f"trainer.device={args.device}", f"trainer.default_local_dir={run_dir}",
+            "trainer.logger=[jsonl]", "trainer.resume_mode=disable"]
+    if args.strategy:
+        argv.append(f"actor_rollout_ref.actor.strategy={args.strategy}")
+    run = train(argv)
+    strategy, world = run.cfg.actor_rollout_ref.actor.strategy, dist.world()
+    sharded, mesh, n_dt, n_p = sharding(run.actor)
+    print(f"{strategy} at world size {world} ({'torchrun' if dist.active() else 'no process group'}): sharded "
+          f"{'yes' if sharded else 'no'} ({n_dt}/{n_p} actor parameters DTensor, mesh of {mesh}); "
+          f"rollout copy {'yes' if run.rollout_copy else 'no'}")
+    del run
     metrics = [r for r in read_metrics(run_dir) if "timing_s/step" in r]
     steady = metrics[1:] or metrics  # the first step captures CUDA graphs and warms the allocator
     keys = sorted({k for r in steady for k in r if k.startswith("timing_s/")})
@@ -74,8 +108,21 @@ def main():
         vals = [r[k] for r in steady if k in r]
         if vals:
             print(f"| {k} | {sum(vals) / len(vals):.2f} |")
-    if args.device == "cuda":
-        print(f"| peak GPU memory (GiB) | {torch.cuda.max_memory_allocated() / 2**30:.1f} |")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+    if peak is not None:
+        print(f"| peak GPU memory (GiB) | {peak:.1f} |")
+
+    def mean(k):
+        vals = [r[k] for r in steady if k in r]
+        return sum(vals) / len(vals) if vals else None
+    summary = out / "summary.json"  # merged: other figures of the GPU check may already be there
+    fields = json.loads(summary.read_text()) if summary.exists() else {}
+    fields.update(steps=len(metrics), strategy=strategy, world=world, sharded="yes" if sharded else "no", mesh=mesh,
+                  throughput=mean("perf/throughput"), peak_gib=peak, timing={k: mean(k) for k in keys},
+                  log_prob_max_diff=max((r["rollout/log_prob_max_diff"] for r in metrics
+                                         if "rollout/log_prob_max_diff" in r), default=None))
+    summary.write_text(json.dumps(fields, indent=1))
+    dist.destroy()  # torchrun started us: leave the process group before exiting
 
 
 if __name__ == "__main__":
