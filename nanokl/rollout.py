@@ -45,9 +45,13 @@ kept: the engine of a model (`GraphEngine`, one per model, found by `generate`) 
   1, 2, 4, 8, then multiples of 16 up to the first one that holds max_batch; a batch runs in the
   smallest bucket that fits it (165 rows run in 176, not 256), the extra rows computing garbage
   that is never read.
-- the graphs: one captured decode step per key (bucket, sampling settings, EOS ids, pad id),
-  captured on its first use and then replayed for the engine's life. Nothing in the key names an
-  object: a fresh generator every PPO step must not mean a fresh capture every step.
+- the graphs: one captured decode step per key (bucket, slot span, sampling settings, EOS ids,
+  pad id), captured on its first use and then replayed for the engine's life. Nothing in the key
+  names an object: a fresh generator every PPO step must not mean a fresh capture every step.
+  The span is how much of the cache a step attends over: the first multiple of `SLOT_SPAN` (256)
+  slots that holds the filled ones, capped at max_len, so a step at slot 300 of a 1024-slot cache
+  reads 512 slots, not 1024. A call captures every span it will reach before its prefill (a
+  capture's warm-up runs write into the buffers).
 - its own random generator, registered with every graph (a graph replays the random kernels of
   the generators registered with it, advancing their offsets). The caller's generator state is
   copied into it before the prefill and copied back after the last step, so a seed chooses the
@@ -205,8 +209,10 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top
     if use_cuda_graph:
         engine = _engine_for(model, N, P + R)
         cache, state = engine.cache, engine.state.rows(N)
-        # capture (first use only) before the prefill: the warm-up runs scribble on the cache
-        graph = engine.graph(model, engine.bucket(N), eos, pad_token_id, sampling) if R > 1 else None
+        # capture (first use only) every slot span this call will reach, before the prefill: the
+        # warm-up runs scribble on the cache and the state
+        spans = sorted({engine.span(P + t) for t in range(1, R)})
+        graphs = {S: engine.graph(model, engine.bucket(N), S, eos, pad_token_id, sampling) for S in spans}
         caller_gen = generator if generator is not None else _default_generator(dev)
         generator = engine.gen  # the one the graphs draw from: it takes over the caller's state
         generator.set_state(caller_gen.get_state())
@@ -241,7 +247,7 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top
         if steps % check_every == 0 and bool(state.done.all()):
             break
         if use_cuda_graph:
-            graph.replay()
+            graphs[engine.span(P + steps)].replay()  # attends over a span that holds the P + steps slots
         else:
             # attend over the P + steps filled slots only (a graph must keep the full cache)
             decode_step(model, cache.view(slots=P + steps), state, eos_ids, pad_token_id, sampling, generator)
@@ -286,6 +292,7 @@ def _default_generator(dev):
 # CUDA graphs: buffers sized once per model, one captured decode step per bucket and setting.
 
 _ENGINES = weakref.WeakKeyDictionary()  # model -> its GraphEngine, dropped with the model
+SLOT_SPAN = 256  # a decode graph attends over the first multiple of this many slots that holds the filled ones
 
 
 def make_engine(model, max_batch, max_len):
@@ -358,18 +365,22 @@ class GraphEngine:
     def bucket(self, rows):
         return next(b for b in self.buckets if b >= rows)
 
-    def graph(self, model, bucket, eos, pad_token_id, sampling):
-        """The captured decode step for this bucket and setting (captured on its first use)."""
-        key = (bucket, tuple(sampling.items()), tuple(eos), pad_token_id)
+    def span(self, filled):
+        """Cache slots a decode step attends over when `filled` slots are in use."""
+        return min(-(-filled // SLOT_SPAN) * SLOT_SPAN, self.max_len)
+
+    def graph(self, model, bucket, span, eos, pad_token_id, sampling):
+        """The captured decode step for this bucket, span and setting (captured on its first use)."""
+        key = (bucket, span, tuple(sampling.items()), tuple(eos), pad_token_id)
         if key not in self.graphs:
             # the graph reads the EOS ids from this tensor's address on every replay: keep it alive
             eos_static = torch.tensor(eos, dtype=torch.long, device=self.cache.k.device)
-            self.graphs[key] = (self._capture(model, bucket, eos_static, pad_token_id, sampling), eos_static)
+            self.graphs[key] = (self._capture(model, bucket, span, eos_static, pad_token_id, sampling), eos_static)
         return self.graphs[key][0]
 
-    def _capture(self, model, bucket, eos_ids, pad_token_id, sampling):
+    def _capture(self, model, bucket, span, eos_ids, pad_token_id, sampling):
         self.captures += 1
-        cache, state = self.cache.view(rows=bucket), self.state.rows(bucket)
+        cache, state = self.cache.view(rows=bucket, slots=span), self.state.rows(bucket)
         for t in (state.slot, state.col, state.positions, state.done):
             t.zero_()  # warm-up writes at slot/column 0..1; generate() re-initialises all of it after
         s = graph_api.Stream()

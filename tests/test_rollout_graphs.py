@@ -14,7 +14,8 @@ On it:
   never rebuilds, and gives each step the tokens, log-probs and generator state of eager decoding;
 - the same seed gives the same tokens, another seed other tokens; no generator means the default
   one, as in eager decoding;
-- replay equals eager, greedy and sampled, for batches smaller than their bucket;
+- replay equals eager, greedy and sampled, for batches smaller than their bucket, and across the
+  slot spans a long generation crosses (one graph per span);
 - calls that do not fit the sized engine, and weights moved to new storage, rebuild (counted) and
   still decode correctly; an in-place update is seen without a rebuild;
 - the buckets are 1, 2, 4, 8 and multiples of 16 (a 165-row batch runs in 176), against a brute-force
@@ -319,6 +320,19 @@ def test_a_batch_smaller_than_its_bucket_samples_from_the_model_and_honours_its_
     ref = (logits / 0.9).log_softmax(-1).gather(-1, a.responses[..., None])[..., 0] * a.response_mask
     assert (ref - a.log_probs).abs().max() <= 1e-5
     assert engine_stats(m)["captures"] == 1
+
+
+def test_decode_crosses_slot_spans_with_one_graph_each(fake, monkeypatch):
+    monkeypatch.setattr(rollout, "SLOT_SPAN", 4)  # spans of 4 slots: 6 + 13 slots reach spans 8..20
+    m = tiny_model(8)
+    make_engine(m, 4, 6 + 14)
+    ids, mask = prompts(4, 6, seed=8)
+    kw = dict(eos_token_id=None, pad_token_id=PAD, temperature=1.1)
+    for seed in (0, 1):  # the second call replays what the first captured
+        same_output(generate(m, ids, mask, 14, generator=torch.Generator().manual_seed(seed), **kw),
+                    generate(m, ids, mask, 14, generator=torch.Generator().manual_seed(seed),
+                             use_cuda_graph=False, **kw))
+        assert engine_stats(m)["captures"] == len(fake.graphs) == 4  # spans 8, 12, 16, 20
 
 
 def test_calls_that_do_not_fit_rebuild_and_still_decode_correctly(fake):
