@@ -57,7 +57,7 @@ kept: the engine of a model (`GraphEngine`, one per model, found by `generate`) 
   copied into it before the prefill and copied back after the last step, so a seed chooses the
   tokens exactly as in eager decoding and the caller's generator advances as if it had drawn them.
   (Exactly, when the batch fills its bucket. A smaller batch draws noise for the whole bucket
-  every step, so its tokens are another draw from the same distribution than eager decoding's.)
+  every step, so its tokens are a different draw from the same distribution as eager decoding's.)
 
 A call that does not fit (more rows or more slots than sized, or weights moved to new storage by
 `model.to()` / a new module: their old addresses are what the graphs read) *rebuilds* the engine:
@@ -70,7 +70,7 @@ for free.
 
 `engine_stats(model)` -> {"captures", "rebuilds", "graphs", "buckets", "max_len"}: graphs captured
 and rebuilds since `make_engine` (or the first call), live graphs, and the sizing; a 4-step PPO run
-should show one capture per (bucket, sampling setting) it used and no rebuild.
+should show one capture per (bucket, span, sampling setting) it used and no rebuild.
 
 The CUDA graph API is reached through `graph_api` only, so the CPU tests can swap in a stand-in
 that records the step's aten ops at capture and re-executes them on replay.
@@ -79,8 +79,8 @@ Tests: tests/test_rollout.py (greedy equals argmax over full forwards without ca
 log-probs equal a training forward; top-k/top-p never sample outside the allowed set; seeded
 sampling frequencies pass a chi-square test; EOS and masks), tests/test_rollout_graphs.py (on CPU,
 with the recording stand-in: captures once per bucket over a simulated PPO run with new seeds
-each step; seeds honoured; replay equals eager; the step never syncs with the host and writes only
-into the engine's buffers) and tests/test_rollout_cuda.py (on a GPU: replay equals eager in fp32,
+each step; seeds honoured; replay equals eager, across spans too; the step never syncs with the
+host and writes only into the engine's buffers; a CPU train_ppo run sizes the engine once) and tests/test_rollout_cuda.py (on a GPU: replay equals eager in fp32,
 and in bf16 the graph's tokens agree with a teacher-forced forward; a weight update is seen by the
 replayed graph; moved weights are captured again).
 """
