@@ -194,6 +194,7 @@ def _flex(q, k, v, lay):
         lay.built["block_mask"] = create_block_mask(
             lambda b, h, qi, ki: (ids[b, qi] == ids[b, ki]) & (ki <= qi), B, None, T, T, device=q.device)
     fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    q, k, v = (t.to(_compute_dtype(q)) for t in (q, k, v))  # not an autocast op either
     return fn(q, k, v, block_mask=lay.built["block_mask"], enable_gqa=k.shape[1] != H)
 
 
