@@ -17,6 +17,7 @@ bench/gpu_summary.py reads.
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -88,6 +89,9 @@ def main():
             f"data.val_files={args.data}", f"data.train_batch_size={B}", f"data.max_response_length={args.response}",
             "data.max_prompt_length=256", "data.truncation=left", "data.prompt_template=plain",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"critic.ppo_mini_batch_size={mini}",
+            # the config's micro-batch of 4 must divide the mini-batch (the CPU smoke runs --batch 4)
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={math.gcd(4, mini)}",
+            f"critic.ppo_micro_batch_size_per_gpu={math.gcd(4, mini)}",
             f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
             "trainer.save_freq=-1", f"trainer.device={args.device}", f"trainer.default_local_dir={run_dir}",
             "trainer.logger=[jsonl]", "trainer.resume_mode=disable"]
@@ -117,10 +121,11 @@ def main():
         return sum(vals) / len(vals) if vals else None
     summary = out / "summary.json"  # merged: other figures of the GPU check may already be there
     fields = json.loads(summary.read_text()) if summary.exists() else {}
-    fields.update(steps=len(metrics), strategy=strategy, world=world, sharded="yes" if sharded else "no", mesh=mesh,
-                  throughput=mean("perf/throughput"), peak_gib=peak, timing={k: mean(k) for k in keys},
-                  log_prob_max_diff=max((r["rollout/log_prob_max_diff"] for r in metrics
-                                         if "rollout/log_prob_max_diff" in r), default=None))
+    new = dict(steps=len(metrics), strategy=strategy, world=world, sharded="yes" if sharded else "no", mesh=mesh,
+               throughput=mean("perf/throughput"), peak_gib=peak, timing={k: mean(k) for k in keys},
+               log_prob_max_diff=max((r["rollout/log_prob_max_diff"] for r in metrics
+                                      if "rollout/log_prob_max_diff" in r), default=None))
+    fields.update({k: v for k, v in new.items() if v is not None})  # absent, not null: readers use defaults
     summary.write_text(json.dumps(fields, indent=1))
     dist.destroy()  # torchrun started us: leave the process group before exiting
 
