@@ -67,7 +67,8 @@ def _tests(out):
     log = out / "cuda_tests.log"
     if not log.exists():
         return "missing"
-    lines = [ln for ln in log.read_text().splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", ln)]
+    lines = [ln for ln in log.read_text().splitlines()
+             if re.search(r"\d+ (passed|failed|skipped|error)|tests? collected", ln)]
     failed = [ln for ln in log.read_text().splitlines() if ln.startswith(("FAILED", "ERROR"))]
     return (lines[-1].strip("= ") if lines else "no result line (timeout?)") + "".join(f"\n    {f}" for f in failed[:6])
 

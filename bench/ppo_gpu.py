@@ -11,7 +11,9 @@ config (fsdp2 strategy at world size 1, bf16 rollout copy, CUDA graphs) for a fe
 perf/throughput (tokens/s/GPU), the timing_s/* breakdown and peak GPU memory from metrics.jsonl,
 and how the actor was wrapped: under `torchrun --nproc_per_node=1` fsdp2 must really shard (every
 parameter a DTensor on a 1-rank mesh); plain `python` has no process group and leaves it unwrapped.
-These figures also go to OUT/summary.json (keys strategy, world, sharded, mesh, ...), which
+It also runs one actor micro-batch forward to name its attention kernels, reads the rollout graph
+engine's captures and rebuilds, and the first step's KL (0 when the reference runs at the actor's
+precision). These figures also go to OUT/summary.json (keys strategy, world, sharded, mesh, ...), which
 bench/gpu_summary.py reads.
 """
 
@@ -26,7 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_ppo  # noqa: E402
-from nanokl import dist  # noqa: E402
+from nanokl import dist, workers  # noqa: E402
+from nanokl.attention import record_kernels  # noqa: E402
+from nanokl.rollout import engine_stats  # noqa: E402
 from nanokl.harness.hf_format import save_pretrained  # noqa: E402
 from nanokl.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from nanokl.harness.tokenizer import train_tokenizer  # noqa: E402
@@ -56,6 +60,25 @@ def sharding(model):
     dtensors = [p for p in params if type(p).__name__ == "DTensor"]
     mesh = dtensors[0].device_mesh.size() if dtensors else None
     return len(dtensors) == len(params) > 0, mesh, len(dtensors), len(params)
+
+
+def actor_kernels(run):
+    """The attention kernels one actor micro-batch runs (the update's forward, under its autocast and
+    packing setting): a left-padded micro-batch of 4 responses of different lengths."""
+    spec, dev = run.specs["actor"], run.device
+    P, R, V = 24, 16, run.actor_vocab
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(3, V, (4, P + R), generator=g)
+    mask = torch.ones(4, P + R, dtype=torch.long)
+    for i in range(4):
+        mask[i, :3 * i] = 0  # left padding
+        mask[i, P + R - 2 * i:] = 0  # shorter responses
+    mb = {"sequences": seqs, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+          "responses": seqs[:, P:], "response_mask": mask[:, P:]}
+    mb = {k: v.to(dev) for k, v in mb.items()}
+    with torch.no_grad(), workers.autocast(dev), record_kernels() as names:
+        workers.response_logits(run.actor, mb, 1.0, spec.packed)
+    return f"{'packed' if spec.packed else 'padded'}: " + ", ".join(sorted(set(names)))
 
 
 def main():
@@ -99,7 +122,11 @@ def main():
         argv.append(f"actor_rollout_ref.actor.strategy={args.strategy}")
     run = train(argv)
     strategy, world = run.cfg.actor_rollout_ref.actor.strategy, dist.world()
-    sharded, mesh, n_dt, n_p = sharding(run.actor)
+    sharded, mesh, n_dt, n_p = sharding(run.actor)  # before any no-grad forward, which leaves the root unsharded
+    run.actor_vocab = SHAPES[args.shape]["vocab_size"]
+    kernels = actor_kernels(run)
+    engine = engine_stats(dist.unwrap(run.rollout_model))
+    print(f"actor micro-batch attention: {kernels}\nrollout graph engine over {args.steps} steps: {engine}")
     print(f"{strategy} at world size {world} ({'torchrun' if dist.active() else 'no process group'}): sharded "
           f"{'yes' if sharded else 'no'} ({n_dt}/{n_p} actor parameters DTensor, mesh of {mesh}); "
           f"rollout copy {'yes' if run.rollout_copy else 'no'}")
@@ -123,6 +150,8 @@ def main():
     fields = json.loads(summary.read_text()) if summary.exists() else {}
     new = dict(steps=len(metrics), strategy=strategy, world=world, sharded="yes" if sharded else "no", mesh=mesh,
                throughput=mean("perf/throughput"), peak_gib=peak, timing={k: mean(k) for k in keys},
+               attention_kernel=kernels, engine=engine,
+               kl_step0=metrics[0].get("actor/reward_kl_penalty") if metrics else None,
                log_prob_max_diff=max((r["rollout/log_prob_max_diff"] for r in metrics
                                       if "rollout/log_prob_max_diff" in r), default=None))
     fields.update({k: v for k, v in new.items() if v is not None})  # absent, not null: readers use defaults

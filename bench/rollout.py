@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanokl.harness import hf_format as H  # noqa: E402
 from nanokl import model as M  # noqa: E402
-from nanokl.rollout import generate  # noqa: E402
+from nanokl.rollout import generate, make_engine  # noqa: E402
 
 SHAPES = {  # Qwen2-shaped (GQA, qkv bias, tied embeddings); parameter counts printed in the table
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -103,7 +103,10 @@ def load(impl, args, dev):
     if impl == "hf":
         import transformers
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
-    return H.from_pretrained(path, device=dev, dtype=dtype).eval()
+    model = H.from_pretrained(path, device=dev, dtype=dtype).eval()
+    if impl == "nanokl":  # as training does: the graph engine sized once for this run's calls
+        make_engine(model, args.batch, args.prompt_len + args.new_tokens)
+    return model
 
 
 def runner(impl, model, args, dev):

@@ -25,7 +25,9 @@ What each does per step: TRL generates with transformers' `generate`, runs the r
 (beta != 0) and the training forward/backward; it skips the old-log-prob forward because with one
 update per batch the ratio is computed against the detached current log-probs. nanokl runs its own
 rollout, takes the old log-probs from it (algorithm.rollout_correction.bypass_mode=auto), then the
-reference forward and the update: the same count of forwards. nanokl's time is train_ppo.ppo_step's
+reference forward and the update: the same count of forwards. TRL's GRPOConfig turns gradient
+checkpointing on by default (one more forward inside the backward); nanokl's config has it off, so
+the bench turns TRL's off too (`--trl-checkpointing on` measures TRL's default instead). nanokl's time is train_ppo.ppo_step's
 `timing_s/step`; TRL's is the time from the trainer's on_step_begin to on_step_end (generation,
 scoring, forwards, backward, optimizer step). The two alternate step by step in this process
 (nanokl runs inside TRL's on_step_end callback), so both share the VM's noise; after `--warmup`
@@ -119,7 +121,7 @@ def nanokl_run(path, run_dir, threads, overrides=()):
     return run
 
 
-def trl_trainer(path, out_dir, prompts, examples, total_steps, threads, callback):
+def trl_trainer(path, out_dir, prompts, examples, total_steps, threads, callback, checkpointing=False):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -132,7 +134,8 @@ def trl_trainer(path, out_dir, prompts, examples, total_steps, threads, callback
                       max_completion_length=NEW, generation_kwargs={"min_new_tokens": NEW}, temperature=1.0,
                       beta=BETA, learning_rate=LR, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
                       max_steps=total_steps, logging_steps=10_000, save_strategy="no", report_to=[], use_cpu=True,
-                      bf16=False, disable_tqdm=True, seed=0, dataloader_num_workers=0)
+                      bf16=False, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+                      gradient_checkpointing=checkpointing)
     data = Dataset.from_list([{"prompt": p, "ground_truth": ex["ground_truth"]} for p, ex in zip(prompts, examples)])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.set_num_threads(threads)
@@ -203,7 +206,8 @@ def bench(size, args, tmp):
             def on_step_end(self, *a, **k):
                 times["trl"].append(time.perf_counter() - self.t)
                 nanokl_step()
-        trainer = trl_trainer(path, Path(tmp) / f"trl_{size}", prompts, train, total, args.threads, Alternate())
+        trainer = trl_trainer(path, Path(tmp) / f"trl_{size}", prompts, train, total, args.threads, Alternate(),
+                              checkpointing=args.trl_checkpointing == "on")
         with contextlib.redirect_stdout(sys.stderr):  # its end-of-training summary is not our table
             trainer.train()
         version = trl.__version__
@@ -229,6 +233,9 @@ def main(argv=None):
     ap.add_argument("--no-trl", action="store_true", help="measure nanokl alone")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a nanokl config override, e.g. actor_rollout_ref.model.use_remove_padding=false")
+    ap.add_argument("--trl-checkpointing", choices=["off", "on"], default="off",
+                    help="TRL's gradient checkpointing: off = the same work as nanokl (which does not recompute); "
+                         "on = GRPOConfig's own default, one more forward per step for TRL")
     ap.add_argument("--tiny", action="store_true", help="the smoke mode: tiny shape, 1+2 steps, no TRL")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -244,7 +251,7 @@ def main(argv=None):
     version = next((r["trl_version"] for r in rows if r["trl_version"]), None)
     print(f"GRPO step, {PROMPTS} prompts x {N} samples, {NEW} new tokens, k3 KL loss {BETA}, one update; "
           f"{rows[0]['threads']} threads; TRL {version or 'not measured'}; median of {args.steps} steps "
-          f"after {args.warmup} warm-up, alternating" + (f"; nanokl {' '.join(args.set)}" if args.set else ""))
+          f"after {args.warmup} warm-up, alternating; TRL gradient checkpointing {args.trl_checkpointing}" + (f"; nanokl {' '.join(args.set)}" if args.set else ""))
     print("| model | params (non-emb.) | nanokl s/step | TRL s/step | TRL / nanokl | nanokl floor s | floor % |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
