@@ -17,7 +17,10 @@ nothing to batch across time. The recipe that makes it fast is small (gpt-fast, 
 3. Sample without a host sync. Drawing E_i ~ Exp(1) and taking argmax_i p_i / E_i picks token i
    with probability p_i (E_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is
    the i-th with probability p_i / sum p), so sampling is elementwise ops plus an argmax that stay
-   on the device. The host only checks "has every row finished?" (every step on CPU, where it is
+   on the device. E_i is drawn as -log U_i with U_i ~ Uniform[0, 1), and argmax p_i / E_i is
+   computed as argmax log(U_i) / p_i (the same order, one negation fewer; a filtered p_i = 0
+   gives -inf and is never drawn): on the CPU uniform_ + log is 2-3x faster than exponential_,
+   which was ~10% of a small model's rollout. The host only checks "has every row finished?" (every step on CPU, where it is
    free, every 16 steps on CUDA, where it is a sync).
 
 Which log-probability is returned. `log_probs[b, t]` is log softmax(logits / temperature) of the
@@ -137,8 +140,8 @@ def sample_tokens(logits, temperature=1.0, top_k=-1, top_p=1.0, do_sample=True, 
     else:
         logits = logits / temperature
         probs = filter_logits(logits, top_k, top_p).softmax(-1)
-        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        token = (probs / noise).argmax(-1)  # Exp(1) race: a categorical draw with no host sync
+        log_u = torch.empty_like(probs).uniform_(generator=generator).log_()  # -E_i, E_i ~ Exp(1)
+        token = (log_u / probs).argmax(-1)  # Exp(1) race: a categorical draw with no host sync
     return token, logits.gather(-1, token[:, None])[:, 0] - logits.logsumexp(-1)
 
 

@@ -112,8 +112,11 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None):
         critic = dist.wrap(critic.train(), strategy, device, param_dtype=dtype)
         # optimizers right after wrapping: between a no-grad forward and the next backward FSDP2
         # exposes the root's *unsharded* parameters, which an optimizer must never hold
-        a_opt = torch.optim.AdamW(actor.parameters(), lr=3e-3)
-        c_opt = torch.optim.AdamW(critic.parameters(), lr=3e-3)
+        # eps 1e-6, not 1e-8: Adam's first steps move a parameter by lr * g / (|g| + eps), so a
+        # gradient at float-noise level (~1e-9: a token no response used) would turn summation-order
+        # noise of 1e-10 into parameter differences of lr * 1e-2 = 3e-5 and hide a real mismatch
+        a_opt = torch.optim.AdamW(actor.parameters(), lr=3e-3, eps=1e-6)
+        c_opt = torch.optim.AdamW(critic.parameters(), lr=3e-3, eps=1e-6)
         scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (a_opt, c_opt)]
         return actor, critic, a_opt, c_opt, scheds
 
