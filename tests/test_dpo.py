@@ -1,0 +1,135 @@
+"""DPO/IPO losses and gradients against float64 closed forms, metrics against python loops,
+and the lesson's claim: DPO's population optimum on a bandit is π* ∝ π_ref exp(r/β)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from nanokl.dpo import DPO_LOSSES, dpo_loss, sequence_log_probs, split_pairs
+
+
+def stable_neg_log_sigmoid(z):
+    """−log σ(z) = log(1 + e^{−z}), in python float64, written so neither branch overflows."""
+    return math.log1p(math.exp(-z)) if z >= 0 else -z + math.log1p(math.exp(z))
+
+
+def sigmoid(z):
+    return 1 / (1 + math.exp(-z)) if z >= 0 else math.exp(z) / (1 + math.exp(z))
+
+
+def pair_inputs(beta):
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(8, generator=g, dtype=torch.float64) * 3 for _ in range(4))
+    # two pairs at βh = +50 and −50: far in the tails, where a loss or gradient built from
+    # exp(±βh) loses everything (see test_naive_formula_really_overflows for the overflow itself)
+    pc[0], pr[0], rc[0], rr[0] = 50 / beta, 0.0, 0.0, 0.0
+    pc[1], pr[1], rc[1], rr[1] = -50 / beta, 0.0, 0.0, 0.0
+    return pc, pr, rc, rr
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("loss_type", DPO_LOSSES)
+def test_loss_and_gradients_match_closed_forms(loss_type, dtype):
+    beta = 0.7
+    pc, pr, rc, rr = pair_inputs(beta)
+    ins = [t.to(dtype).clone().requires_grad_() for t in (pc, pr, rc, rr)]
+    losses, _ = dpo_loss(*ins, beta=beta, loss_type=loss_type)
+    losses.sum().backward()
+    losses = losses.detach()
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    for k in range(8):
+        h = (float(pc[k]) - float(rc[k])) - (float(pr[k]) - float(rr[k]))
+        if loss_type == "sigmoid":
+            want = stable_neg_log_sigmoid(beta * h)
+            dh = -beta * sigmoid(-beta * h)
+        else:
+            want = (h - 1 / (2 * beta)) ** 2
+            dh = 2 * (h - 1 / (2 * beta))
+        assert math.isfinite(float(losses[k]))
+        assert float(losses[k]) == pytest.approx(want, rel=tol, abs=tol)
+        for t, sign in zip(ins, (1, -1, -1, 1)):
+            assert float(t.grad[k]) == pytest.approx(sign * dh, rel=tol, abs=tol)
+    if loss_type == "sigmoid":  # the pair at βh = −50: loss ≈ 50, not inf; at +50: ≈ e^−50
+        assert float(losses[1]) == pytest.approx(50.0, rel=1e-6)
+        assert 0 <= float(losses[0]) < 1e-20
+
+
+def test_naive_formula_really_overflows():
+    z = torch.tensor([-100.0])  # βh = −100 in float32: exp(−βh) = exp(100) = inf
+    assert torch.isinf(torch.log(1 + torch.exp(-z)))
+    losses, _ = dpo_loss(torch.tensor([-100.0]), torch.tensor([0.0]), torch.tensor([0.0]),
+                         torch.tensor([0.0]), beta=1.0)
+    assert float(losses[0]) == pytest.approx(stable_neg_log_sigmoid(-100.0), rel=1e-6)
+
+
+def test_metrics_match_python_loops():
+    beta = 0.3
+    pc, pr, rc, rr = pair_inputs(beta)
+    _, m = dpo_loss(pc.clone().requires_grad_(), pr, rc, rr, beta=beta)
+    chosen = [beta * (float(a) - float(b)) for a, b in zip(pc, rc)]
+    rejected = [beta * (float(a) - float(b)) for a, b in zip(pr, rr)]
+    assert float(m["dpo/chosen_reward"]) == pytest.approx(sum(chosen), rel=1e-12)
+    assert float(m["dpo/rejected_reward"]) == pytest.approx(sum(rejected), rel=1e-12)
+    assert float(m["dpo/reward_margin"]) == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)), rel=1e-12)
+    assert float(m["dpo/reward_accuracy"]) == sum(1 for c, r in zip(chosen, rejected) if c > r)
+    assert 0 < float(m["dpo/reward_accuracy"]) < 8  # the inputs hold both kinds of pair
+    assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
+
+
+def test_bad_arguments():
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match="sigmoid, ipo"):
+        dpo_loss(x, x, x, x, beta=0.1, loss_type="hinge")
+    with pytest.raises(ValueError, match="beta"):
+        dpo_loss(x, x, x, x, beta=0.0)
+
+
+def test_sequence_log_probs_and_split_pairs():
+    g = torch.Generator().manual_seed(1)
+    lp = -torch.rand(6, 5, generator=g)
+    mask = torch.rand(6, 5, generator=g) > 0.4
+    mask[2] = False  # an all-padding row sums to 0
+    lp[~mask] = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(10)[: int((~mask).sum())]
+    got = sequence_log_probs(lp, mask)
+    for i in range(6):
+        want = sum(float(lp[i, j]) for j in range(5) if mask[i, j])
+        assert float(got[i]) == pytest.approx(want, abs=1e-6)
+    chosen, rejected = split_pairs(got)
+    assert torch.equal(chosen, got[[0, 2, 4]]) and torch.equal(rejected, got[[1, 3, 5]])
+
+
+def test_expected_dpo_loss_recovers_the_kl_regularized_optimum():
+    # Why this is the right check: with Bradley-Terry preferences in r, each unordered pair (i, j)
+    # contributes p·(−log σ(z)) + (1 − p)·(−log σ(−z)), p = σ(r_i − r_j), z = β h_ij, minimised
+    # exactly at σ(z) = p, i.e. β(log π_i/π_ref,i − log π_j/π_ref,j) = r_i − r_j for every pair:
+    # log π/π_ref − r/β is constant, which is π* ∝ π_ref exp(r/β), the maximiser of PPO's
+    # E[r] − β KL(π‖π_ref). Softmax logits can only fix π up to that constant (Σπ = 1 pins it).
+    beta = 0.5
+    ref = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    r = torch.tensor([0.2, -0.5, 1.0, 0.3], dtype=torch.float64)
+    pairs = list(itertools.permutations(range(4), 2))
+    w_idx = torch.tensor([i for i, _ in pairs])
+    l_idx = torch.tensor([j for _, j in pairs])
+    weights = torch.sigmoid(r[w_idx] - r[l_idx])  # P(i beats j): the chance this ordered pair is logged so
+    logits = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([logits], lr=1, max_iter=200, tolerance_grad=1e-12,
+                            tolerance_change=1e-15, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        logp = torch.log_softmax(logits, 0)
+        losses, _ = dpo_loss(logp[w_idx], logp[l_idx], ref.log()[w_idx], ref.log()[l_idx], beta)
+        loss = (weights * losses).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    gap = torch.log_softmax(logits.detach(), 0) - ref.log() - r / beta
+    assert float(gap.max() - gap.min()) < 1e-4
+    target = ref * torch.exp(r / beta)
+    assert torch.allclose(torch.softmax(logits.detach(), 0), target / target.sum(), atol=1e-5)
+    # and it is not the reference policy nor the greedy one: the test can fail
+    assert float((torch.softmax(logits.detach(), 0) - ref).abs().max()) > 0.1
