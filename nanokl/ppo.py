@@ -69,6 +69,14 @@ Where nanokl differs from verl's agg_loss (verl/trainer/ppo/core_algos.py):
 Metric type: every metric is a detached 0-d tensor on the loss's device; the caller decides
 when to `.item()` (one sync per step instead of one per metric per micro-batch).
 
+Responses another policy sampled (decoupled PPO)
+-----------------------------------------------
+When the batch was sampled by a behaviour policy μ rather than by π_old (logged responses, an
+inference engine whose numerics differ), `is_weights` multiplies each token's loss by a
+truncated importance weight w_t = min(π_old(y_t)/μ(y_t), C) before aggregation; the clip stays
+relative to π_old. nanokl/offline.py derives it and computes the weights; μ = π_old gives
+w = 1 and exactly the loss above.
+
 Log-probabilities and entropy from logits
 -----------------------------------------
 log π(y) = z_y − logsumexp(z). Computing it as log_softmax(z).gather(y) keeps the whole
@@ -127,8 +135,13 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None)
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
                         clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
-                        loss_agg_mode="token-mean", global_norm=None, horizon=None):
-    """Dual-clip PPO policy loss. Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl})."""
+                        loss_agg_mode="token-mean", global_norm=None, horizon=None, is_weights=None):
+    """Dual-clip PPO policy loss. Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl}).
+
+    is_weights: optional [N, R] per-token importance weights (no grad) for responses another
+    policy μ sampled (nanokl/offline.py); each token's loss is multiplied by its weight before
+    aggregation. None leaves the loss exactly as it was.
+    """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
@@ -140,6 +153,8 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
     loss_dual = torch.minimum(loss_ppo, -advantages * clip_ratio_c)
     negative = advantages < 0
     loss_mat = torch.where(negative, loss_dual, loss_ppo)
+    if is_weights is not None:  # the mask still selects in agg_loss: a 0 weight times a NaN never leaks
+        loss_mat = is_weights * loss_mat
 
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_norm, horizon)
     with torch.no_grad():
