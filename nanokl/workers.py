@@ -88,6 +88,7 @@ import torch
 
 from nanokl import dist
 from nanokl.batching import Batching, pack, split
+from nanokl.dpo import dpo_loss, sequence_log_probs
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean, zero_masked
 from nanokl.ppo import (agg_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
@@ -283,7 +284,7 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
 
 
 def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), generator=None, horizon=None, *,
-                 kl_loss_coef: float, ref=None, entropy_out=None) -> dict:
+                 kl_loss_coef: float, ref=None, entropy_out=None, beta=None) -> dict:
     """PPO epochs over the batch with the clipped policy loss (+ KL loss, - entropy bonus).
 
     `a` is the config's actor_rollout_ref.actor; `batch` holds sequences, attention_mask,
@@ -298,7 +299,14 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), 
     `entropy_out` ([N, R], optional) receives the entropy of each response token from the logits of
     the first pass over its row (no gradient): the trainer's actor/entropy when the old log-probs
     came from the rollout and no separate forward ran. With one mini-batch per step that is pi_old's
-    entropy exactly; later mini-batches see the policy after the earlier optimizer steps."""
+    entropy exactly; later mini-batches see the policy after the earlier optimizer steps.
+
+    With `is_weights` in the batch (truncated importance weights min(pi_old / mu, C) of responses that
+    another policy mu sampled, nanokl/offline.py), each token's policy loss and KL loss are weighted.
+    With a.loss_mode "dpo" or "ipo" the loss is DPO's instead (`_pair_loss`; `beta`, the KL coefficient)."""
+    if a.loss_mode != "ppo":
+        return ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, False, a.grad_clip, "seq-mean-token-sum",
+                          _pair_loss(actor, a, temperature, spec, beta), "actor", generator)
     mode = a.loss_agg_mode
     full = a.use_kl_loss and a.kl_loss_type == "full"
     if full and ref is None:
@@ -321,8 +329,10 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), 
                 elif fresh.any():
                     entropy_out[mb["row"][fresh]] = entropy_from_logits(logits[fresh])
                 seen[mb["row"]] = True
+        weights = mb.get("is_weights")
         pg_loss, m = compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
-                                         a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon)
+                                         a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon,
+                                         is_weights=weights)
         loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}
         if a.entropy_coeff:
             loss = loss - a.entropy_coeff * agg_loss(entropy_from_logits(logits), mask, mode, norm, horizon)
@@ -339,7 +349,7 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), 
         elif a.use_kl_loss:
             kl_mat = kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type)
         if a.use_kl_loss:
-            kl_loss = agg_loss(kl_mat, mask, mode, norm, horizon)
+            kl_loss = agg_loss(kl_mat if weights is None else weights * kl_mat, mask, mode, norm, horizon)
             loss = loss + kl_loss_coef * kl_loss
             sums["actor/kl_loss"] = kl_loss.detach()
         return loss, sums, {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
@@ -349,6 +359,26 @@ def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), 
     if a.use_kl_loss:
         metrics["actor/kl_coef"].append(kl_loss_coef)
     return metrics
+
+
+def _pair_loss(actor, a, temperature, spec, beta):
+    """DPO's micro-batch loss (nanokl/dpo.py): rows 2k and 2k+1 are the (chosen, rejected) responses of
+    one prompt, and a micro-batch holds whole pairs (config_rules). `norm` counts the mini-batch's
+    responses over all ranks, so the loss is a mean over its pairs, whatever the micro-batching."""
+    loss_type = {"dpo": "sigmoid", "ipo": "ipo"}[a.loss_mode]
+
+    def micro_loss(mb, norm):
+        mask = mb["response_mask"]
+        with autocast(mb["sequences"].device):
+            logits = response_logits(actor, mb, temperature, spec.packed)
+        seq = sequence_log_probs(logprobs_from_logits(logits, mb["responses"]), mask)
+        ref = sequence_log_probs(mb["ref_log_probs"], mask)
+        losses, m = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta, loss_type)
+        pairs = norm / 2
+        loss = losses.sum() / pairs
+        sums = {f"actor/{k.replace('/', '_')}": v / pairs for k, v in m.items()}
+        return loss, {"actor/dpo_loss": loss.detach(), **sums}, {}
+    return micro_loss
 
 
 def update_critic(critic, opt, batch, c, mini_size, spec=Batching(), generator=None, horizon=None) -> dict:

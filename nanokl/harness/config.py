@@ -78,6 +78,9 @@ class DataConfig:
     arith_max_operand: int = 99  # synthetic task: operands are drawn from 0..arith_max_operand
     arith_ops: str = "+-"  # synthetic task: operators to draw from, any of "+-*"
     prompt_template: Literal["plain", "chatml"] = "plain"  # how a prompt is wrapped before tokenizing
+    # nanokl-only: offline training. Logged-response file(s) (nanokl/harness/logged.py): step 1 draws
+    # rollout.n logged responses per prompt from them instead of sampling (nanokl/offline.py)
+    offline_files: Union[str, list[str], None] = None
 
 
 @dataclass
@@ -120,6 +123,9 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None  # upper epsilon; None -> clip_ratio (DAPO raises it)
     clip_ratio_c: float = 3.0  # dual-clip: a negative advantage's loss is capped at c * |A|
     loss_agg_mode: str = "token-mean"  # how per-token losses become one number (ppo.LOSS_AGG_MODES)
+    # nanokl-only: "ppo" (the clipped policy loss), or a pairwise preference loss on logged ranked pairs,
+    # "dpo" (sigmoid) / "ipo", whose beta is algorithm.kl_ctrl's (nanokl/dpo.py; needs data.offline_files)
+    loss_mode: Literal["ppo", "dpo", "ipo"] = "ppo"
     entropy_coeff: float = 0.0  # entropy bonus weight (subtracted from the loss)
     use_kl_loss: bool = False  # add kl_loss_coef * KL(pi || pi_ref) to the loss (GRPO-style)
     kl_loss_coef: float = 0.001  # weight of that KL loss
@@ -245,6 +251,10 @@ class RolloutCorrectionConfig:
     # numbers up to float error (the fp32 actor itself samples, on CPU, at the training temperature):
     # one forward fewer per step. workers.rollout_log_probs_are_old states the rule.
     bypass_mode: Union[bool, Literal["auto"]] = "auto"  # true | false | auto
+    # verl's truncated importance sampling (TIS): weigh each token's policy loss by min(pi_old / mu, threshold),
+    # mu = the policy that sampled it (the rollout engine; offline, the logged behaviour policy). null: off
+    rollout_is: Optional[Literal["token"]] = None
+    rollout_is_threshold: float = 2.0  # C, the truncation of those weights (>= 1)
 
 
 @dataclass
@@ -300,6 +310,10 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     seed: int = 42  # seeds torch, numpy and python's random
     log_freq: int = 1  # print/log metrics every this many steps
+    # nanokl-only: at each validation, sample this many held-out prompts at the rollout temperature and log
+    # the on-policy per-token KL to the reference (val-aux/kl_on_policy); 0: off. Offline, the training KL is
+    # an importance-weighted estimate from logged responses: this is the measurement to compare it with
+    val_kl_prompts: int = 0
     kl_monitor: KLMonitorConfig = field(default_factory=KLMonitorConfig)
 
 

@@ -22,6 +22,7 @@ def resolve(cfg):
     data.seed = _or(data.seed, cfg.trainer.seed)
     data.val_batch_size = _or(data.val_batch_size, data.train_batch_size)
     data.train_files, data.val_files = _file_list(data.train_files), _file_list(data.val_files)
+    data.offline_files = _file_list(data.offline_files)
     arr.model.path = arr.model.path or cfg.sft.output_dir  # "" counts as unset for paths
     arr.model.tokenizer_path = arr.model.tokenizer_path or arr.model.path
     actor.clip_ratio_low = _or(actor.clip_ratio_low, actor.clip_ratio)
@@ -82,7 +83,7 @@ _RULES = [
      lambda v: v > 0, "> 0"),
     (["data.num_val", "data.seed", "trainer.seed", "trainer.critic_warmup", _A + "kl_loss_coef",
       "algorithm.kl_ctrl.kl_coef", "reward_model.missing_eos_penalty", _M + "kl_low", _M + "entropy_min", _M + "rollback_min_beta",
-      _M + "max_rollbacks", "reward_model.train.num_val_prompts", "reward_model.train.seed",
+      _M + "max_rollbacks", "trainer.val_kl_prompts", "reward_model.train.num_val_prompts", "reward_model.train.seed",
       _R + "val_kwargs.temperature", _A + "optim.lr", _A + "optim.weight_decay",
       _C + "optim.lr", _C + "optim.weight_decay"],
      lambda v: v >= 0, ">= 0"),
@@ -98,6 +99,8 @@ _RULES = [
      "-1 (filled in by the trainer) or > 0"),
     (["trainer.save_freq", "trainer.test_freq"], lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
     ([_A + "optim.betas", _C + "optim.betas"], lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    (["algorithm.rollout_correction.rollout_is_threshold"], lambda v: v >= 1,
+     ">= 1 (so that a token sampled by pi_old itself gets weight exactly 1)"),
     ([_M + "rollback_beta_factor"], lambda v: v >= 1, ">= 1 (beta is multiplied by it after a rollback)"),
     (["data.arith_num_operands"], lambda v: v >= 2, ">= 2"),
     (["data.arith_max_operand"], lambda v: v >= 1, ">= 1"),
@@ -162,6 +165,17 @@ def validate(cfg):
                           f"but a greedy rollout records them at temperature 1, not at {_R}temperature "
                           f"({rollout.temperature}): use auto or false, or temperature 1",
                           keys=("algorithm.rollout_correction.bypass_mode", _R + "temperature", _R + "do_sample"))
+    if actor.loss_mode != "ppo":  # DPO / IPO: pairs of logged responses, (chosen, rejected) rows next to each other
+        why = f"{_A}loss_mode={actor.loss_mode} trains on (chosen, rejected) pairs of logged, ranked responses"
+        if not data.offline_files:
+            raise ConfigError(f"{why}: set data.offline_files", keys=(_A + "loss_mode", "data.offline_files"))
+        if rollout.n != 2:
+            raise ConfigError(f"{why}: {_R}n must be 2 (one pair per prompt), got {rollout.n}",
+                              keys=(_R + "n", _A + "loss_mode"))
+        if actor.use_dynamic_bsz or actor.shuffle or (actor.ppo_micro_batch_size_per_gpu or 2) % 2:
+            raise ConfigError(f"{why}: a micro-batch must hold whole pairs, so {_A}use_dynamic_bsz and {_A}shuffle "
+                              f"must be false and {_A}ppo_micro_batch_size_per_gpu even",
+                              keys=(_A + "use_dynamic_bsz", _A + "shuffle", _A + "ppo_micro_batch_size_per_gpu"))
     mon = cfg.trainer.kl_monitor
     if mon.kl_low >= mon.kl_high:
         raise ConfigError(f"{_M}kl_low ({mon.kl_low}) must be below kl_high ({mon.kl_high}): the healthy KL band "

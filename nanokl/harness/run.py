@@ -46,14 +46,16 @@ from nanokl.harness.config import config_to_dict, save_config
 from nanokl.harness.config_io import UserError
 from nanokl.harness.data import steps_per_epoch
 from nanokl.harness.hf_format import from_pretrained, load_value_model
+from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
 from nanokl.harness.monitor import CHECKS, KLMonitor
-from nanokl.harness.scoring import validate
+from nanokl.harness.scoring import on_policy_kl, validate
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
 from nanokl.kl_ctrl import FixedKLController, make_kl_controller
 from nanokl.model import fuse_for_rollout
 from nanokl.rollout import make_engine
+from nanokl.supervised.preference_data import build_preference_data
 from nanokl.supervised.reward_model import load_reward_model
 from nanokl.supervised.reward_model import train_from_config as train_reward_model
 from nanokl.supervised.sft import train_sft
@@ -135,7 +137,7 @@ def batching_specs(cfg) -> dict:
     }
 
 
-def _check_world(cfg, W, estimator):
+def _check_world(cfg, W, needs_critic):
     d, a, c = cfg.data, cfg.actor_rollout_ref.actor, cfg.critic
     for key, v in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.actor.ppo_mini_batch_size",
                    a.ppo_mini_batch_size), ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size)):
@@ -143,7 +145,7 @@ def _check_world(cfg, W, estimator):
             raise UserError(f"{key} ({v}) must be divisible by the number of processes ({W})")
     # (a frozen reference may stay `none`: a full copy per process, like a DDP replica without grads)
     for key, v in (("actor_rollout_ref.actor.strategy", a.strategy), ("critic.strategy", c.strategy)):
-        if v == "none" and W > 1 and (key != "critic.strategy" or estimator.needs_critic):
+        if v == "none" and W > 1 and (key != "critic.strategy" or needs_critic):
             # each process would train its own model and silently diverge
             raise UserError(f"{key}=none runs one process, but torchrun started {W}: use ddp or fsdp2")
 
@@ -160,6 +162,15 @@ def _train_missing_stages(cfg, rank):
         dist.barrier()
     if not model_path.is_dir():
         raise UserError(f"model directory {str(model_path)!r} does not exist (actor_rollout_ref.model.path)")
+    t, d = cfg.reward_model.train, cfg.data
+    if d.offline_files and t.data_path in d.offline_files and not Path(t.data_path).is_file():
+        if rank == 0:  # the logged responses are the reward model's ranked warm-start samples: make them first
+            print(f"no logged responses at {t.data_path}: sampling and ranking them from the warm start first "
+                  "(nanokl.supervised.preference_data)", file=sys.stderr)
+            build_preference_data(model_path, t.data_path, t.num_prompts, t.n, t.seed, t.val_data_path,
+                                  t.num_val_prompts, d, d.prompt_template, d.max_response_length,
+                                  cfg.actor_rollout_ref.rollout.temperature, device=dist.local_device(cfg.trainer.device))
+        dist.barrier()
     if cfg.reward_model.enable and not (Path(rm_path) / "config.json").exists() and cfg.reward_model.train.data_path:
         if rank == 0:  # the config says how to distil one from rankings: do it first, like the warm start
             print(f"no reward model at {rm_path}: training it from rankings first (nanokl.supervised.reward_model)",
@@ -186,7 +197,8 @@ def setup(cfg) -> Run:
     rank, W, _ = dist.init()  # torchrun sets RANK / WORLD_SIZE; plain python is rank 0 of 1
     device = dist.local_device(t.device)
     estimator = ESTIMATORS[alg.adv_estimator]
-    _check_world(cfg, W, estimator)
+    needs_critic = estimator.needs_critic and a.loss_mode == "ppo"  # DPO has no advantages to estimate
+    _check_world(cfg, W, needs_critic)
     run_dir = Path(t.default_local_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -197,6 +209,11 @@ def setup(cfg) -> Run:
     torch.manual_seed(t.seed)
     tok = load_tokenizer(arr.model.tokenizer_path)
     train, val = TASKS[d.task].examples(d, seed=d.seed)
+    if d.offline_files:  # offline: the prompts are the logged rows' (the task still gives the held-out set)
+        train = read_logged(d.offline_files, tok, template=d.prompt_template,
+                            max_prompt_length=d.max_prompt_length if d.truncation == "error" else None,
+                            max_response_length=ro.response_length, need_ranking=a.loss_mode != "ppo",
+                            need_truth=a.loss_mode == "ppo" and not cfg.reward_model.enable)
 
     # models: the policy (actor), its frozen copy (reference), the critic
     ckpt = None
@@ -211,7 +228,7 @@ def setup(cfg) -> Run:
     ref = from_pretrained(model_path, device=device)  # fp32, run under the actor's autocast (workers.autocast)
     ref.eval().requires_grad_(False)
     critic = None
-    if estimator.needs_critic:
+    if needs_critic:
         critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device).train()
     # Rollout reads the policy's whole weights. A plain CPU actor (or a DDP replica) is used as is;
     # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
@@ -249,8 +266,16 @@ def setup(cfg) -> Run:
         make_engine(dist.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),
                     d.max_prompt_length + ro.response_length)
     if t.val_before_train and val and run.start == 0:
-        run.tracker.log(validate(rollout_model, tok, val, cfg, device), step=0)
+        run.tracker.log(_validate(run), step=0)
     return run
+
+
+def _validate(run) -> dict:
+    """Held-out greedy accuracy, and the on-policy KL to the reference when trainer.val_kl_prompts > 0."""
+    metrics = validate(run.rollout_model, run.tok, run.val, run.cfg, run.device)
+    if run.cfg.trainer.val_kl_prompts:
+        metrics.update(on_policy_kl(dist.unwrap(run.rollout_model), run.ref, run.tok, run.val, run.cfg, run.device))
+    return metrics
 
 
 def steps(run):
@@ -345,7 +370,7 @@ def end_step(run, step, metrics) -> bool:
     last = done == run.total_steps
     if run.val and t.test_freq > 0 and (done % t.test_freq == 0 or last):
         with timer(metrics, "testing", run.device):
-            metrics.update(validate(run.rollout_model, run.tok, run.val, run.cfg, run.device))
+            metrics.update(_validate(run))
     run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
     if run.nan_streak >= MAX_NAN_STEPS:
         path = save(run, done, healthy=False)

@@ -16,6 +16,14 @@ r_t = score_t - beta * KL_t. A response cut off by the length limit before its E
 `missing_eos_penalty` subtracted (TRL's `missing_eos_penalty`): without it, a policy can learn
 that rambling is safe.
 
+On-policy KL (`on_policy_kl`, trainer.val_kl_prompts > 0). At each validation the first
+val_kl_prompts held-out prompts are sampled once each at the rollout temperature, and the KL
+estimator of the reward (algorithm.kl_penalty; k1 for `full`) is averaged as the trainer averages
+it: per token within a response, then over responses: `val-aux/kl_on_policy`, with its standard
+error over responses (`val-aux/kl_on_policy_se`). Online it measures again what
+actor/reward_kl_penalty measures; offline, where the training KL is an importance-weighted
+estimate from responses another policy sampled (nanokl/offline.py), it is the check.
+
 Validation always uses the rule (`val-core/<data_source>/acc/mean@n`, greedy by default): it is
 the ground truth the reward model is trying to learn. Under torchrun rank r takes every W-th
 held-out prompt and the sums are all-reduced, so the accuracy is over the whole held-out set.
@@ -27,6 +35,9 @@ reward_model.max_length keeps each row's last real tokens.
 import torch
 
 from nanokl import dist
+from nanokl.kl import kl_penalty
+from nanokl.masked import masked_mean
+from nanokl.workers import compute_log_probs
 from nanokl.harness.data import build_prompts
 from nanokl.rollout import generate
 from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
@@ -55,7 +66,9 @@ def score_batch(tok, out, examples, cfg, rm=None):
     Returns (token-level scores, reward per response, rule score per response)."""
     score = get_task(cfg.data.task).score
     texts = tok.batch_decode(out.responses, out.response_mask)
-    rule = torch.tensor([score(t, ex, cfg.reward_model.score_method) for t, ex in zip(texts, examples)])
+    # (logged rows scored by a reward model may carry no ground truth: their rule score is nan, not logged)
+    rule = torch.tensor([score(t, ex, cfg.reward_model.score_method) if "ground_truth" in ex else float("nan")
+                         for t, ex in zip(texts, examples)])
     scores = rule
     if rm is not None:
         mask = keep_last_tokens(out.attention_mask, cfg.reward_model.max_length)
@@ -95,3 +108,30 @@ def validate(model, tok, val, cfg, device):
     if totals[-1, 1] > 0:
         metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
     return metrics
+
+
+@torch.no_grad()
+def on_policy_kl(model, ref, tok, val, cfg, device) -> dict:
+    """Per-token KL(pi || pi_ref) on fresh samples of the first trainer.val_kl_prompts held-out prompts
+    (the module docstring): val-aux/kl_on_policy and its standard error over responses."""
+    d, ro, kind = cfg.data, cfg.actor_rollout_ref.rollout, cfg.algorithm.kl_penalty
+    kind = "k1" if kind == "full" else kind  # `full` needs both models' logits; k1 is its unbiased estimate
+    mine = val[:cfg.trainer.val_kl_prompts][dist.rank()::dist.world()]
+    gen = torch.Generator(device).manual_seed(cfg.trainer.seed + 7919 + dist.rank())
+    moments = torch.zeros(3, dtype=torch.float64)  # sum, sum of squares, count of per-response KLs
+    for i in range(0, len(mine), d.val_batch_size):
+        ids, mask = build_prompts(mine[i:i + d.val_batch_size], tok, d.prompt_template, d.max_prompt_length,
+                                  d.truncation, device=device)
+        out = generate(model, ids, mask, ro.response_length, temperature=ro.temperature, top_k=ro.top_k,
+                       top_p=ro.top_p, do_sample=ro.do_sample, eos_token_id=tok.eos_token_ids,
+                       pad_token_id=tok.pad_token_id, generator=gen)
+        batch = {"sequences": out.sequences, "attention_mask": out.attention_mask, "position_ids": out.position_ids,
+                 "responses": out.responses, "response_mask": out.response_mask}
+        ref_logp, _ = compute_log_probs(ref, batch, ro.temperature)
+        per_response = masked_mean(kl_penalty(out.log_probs, ref_logp, kind), out.response_mask, dim=-1).double().cpu()
+        moments += torch.stack([per_response.sum(), (per_response ** 2).sum(), torch.tensor(float(len(per_response)))])
+    s1, s2, n = dist.all_reduce(moments).tolist()
+    if n == 0:
+        return {}
+    var = max(s2 / n - (s1 / n) ** 2, 0.0)
+    return {"val-aux/kl_on_policy": s1 / n, "val-aux/kl_on_policy_se": (var / max(n - 1, 1)) ** 0.5}
