@@ -6,6 +6,8 @@
 
 `ppo_step` is one step of verl's RayPPOTrainer.fit, in the order the data flows:
   1. rollout     sample `rollout.n` responses per prompt from the current policy        nanokl/rollout.py
+                 (offline, data.offline_files: draw that many logged responses instead;
+                 truncated importance weights correct for who sampled them)            nanokl/offline.py
   2. score       the task's rule (or a learned reward model) scores each response; the
                  scalar sits on the response's last token                              harness/scoring.py
   3. forwards    old log-probs + entropy (policy; taken from the rollout when the sampler
@@ -14,7 +16,7 @@
                  target_kl; and/or in the loss: + kl_loss_coef * KL (actor.use_kl_loss)  nanokl/kl.py, kl_ctrl.py
   5. advantages  GAE with the critic, or a group baseline (GRPO, RLOO)                   nanokl/advantages.py
   6. update      ppo_epochs x mini-batches x micro-batches of the clipped policy and
-                 value losses                                                          nanokl/workers.py, ppo.py
+                 value losses (or DPO's loss on logged pairs: actor.loss_mode)          nanokl/workers.py, ppo.py, dpo.py
   7. metrics     verl's names, reduced over all ranks                                  harness/metrics.py
 `main` is the loop around it. Everything that is not the step (models, resume, checkpoints,
 validation, the KL monitor's warn/stop/rollback, logging) is the harness: nanokl/harness/run.py.
