@@ -310,9 +310,8 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     seed: int = 42  # seeds torch, numpy and python's random
     log_freq: int = 1  # print/log metrics every this many steps
-    # nanokl-only: at each validation, sample this many held-out prompts at the rollout temperature and log
-    # the on-policy per-token KL to the reference (val-aux/kl_on_policy); 0: off. Offline, the training KL is
-    # an importance-weighted estimate from logged responses: this is the measurement to compare it with
+    # nanokl-only: held-out prompts sampled at each validation for the on-policy KL (val-aux/kl_on_policy), the
+    # check on offline runs' importance-weighted estimate (harness/scoring.py); 0: off
     val_kl_prompts: int = 0
     kl_monitor: KLMonitorConfig = field(default_factory=KLMonitorConfig)
 

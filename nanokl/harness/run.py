@@ -49,14 +49,13 @@ from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
 from nanokl.harness.monitor import CHECKS, KLMonitor
-from nanokl.harness.scoring import on_policy_kl, validate
+from nanokl.harness.scoring import validate
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
 from nanokl.kl_ctrl import FixedKLController, make_kl_controller
 from nanokl.model import fuse_for_rollout
 from nanokl.rollout import make_engine
-from nanokl.supervised.preference_data import build_preference_data
-from nanokl.supervised.reward_model import load_reward_model
+from nanokl.supervised.reward_model import build_ranked_data, load_reward_model
 from nanokl.supervised.reward_model import train_from_config as train_reward_model
 from nanokl.supervised.sft import train_sft
 from nanokl.tasks import TASKS
@@ -162,14 +161,12 @@ def _train_missing_stages(cfg, rank):
         dist.barrier()
     if not model_path.is_dir():
         raise UserError(f"model directory {str(model_path)!r} does not exist (actor_rollout_ref.model.path)")
-    t, d = cfg.reward_model.train, cfg.data
-    if d.offline_files and t.data_path in d.offline_files and not Path(t.data_path).is_file():
+    ranked, offline = cfg.reward_model.train.data_path, cfg.data.offline_files
+    if offline and ranked in offline and not Path(ranked).is_file():
         if rank == 0:  # the logged responses are the reward model's ranked warm-start samples: make them first
-            print(f"no logged responses at {t.data_path}: sampling and ranking them from the warm start first "
+            print(f"no logged responses at {ranked}: sampling and ranking them from the warm start first "
                   "(nanokl.supervised.preference_data)", file=sys.stderr)
-            build_preference_data(model_path, t.data_path, t.num_prompts, t.n, t.seed, t.val_data_path,
-                                  t.num_val_prompts, d, d.prompt_template, d.max_response_length,
-                                  cfg.actor_rollout_ref.rollout.temperature, device=dist.local_device(cfg.trainer.device))
+            build_ranked_data(cfg)
         dist.barrier()
     if cfg.reward_model.enable and not (Path(rm_path) / "config.json").exists() and cfg.reward_model.train.data_path:
         if rank == 0:  # the config says how to distil one from rankings: do it first, like the warm start
@@ -266,16 +263,8 @@ def setup(cfg) -> Run:
         make_engine(dist.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),
                     d.max_prompt_length + ro.response_length)
     if t.val_before_train and val and run.start == 0:
-        run.tracker.log(_validate(run), step=0)
+        run.tracker.log(validate(rollout_model, tok, val, cfg, device, ref), step=0)
     return run
-
-
-def _validate(run) -> dict:
-    """Held-out greedy accuracy, and the on-policy KL to the reference when trainer.val_kl_prompts > 0."""
-    metrics = validate(run.rollout_model, run.tok, run.val, run.cfg, run.device)
-    if run.cfg.trainer.val_kl_prompts:
-        metrics.update(on_policy_kl(dist.unwrap(run.rollout_model), run.ref, run.tok, run.val, run.cfg, run.device))
-    return metrics
 
 
 def steps(run):
@@ -370,7 +359,7 @@ def end_step(run, step, metrics) -> bool:
     last = done == run.total_steps
     if run.val and t.test_freq > 0 and (done % t.test_freq == 0 or last):
         with timer(metrics, "testing", run.device):
-            metrics.update(_validate(run))
+            metrics.update(validate(run.rollout_model, run.tok, run.val, run.cfg, run.device, run.ref))
     run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
     if run.nan_streak >= MAX_NAN_STEPS:
         path = save(run, done, healthy=False)

@@ -82,9 +82,10 @@ def score_batch(tok, out, examples, cfg, rm=None):
 
 
 @torch.no_grad()
-def validate(model, tok, val, cfg, device):
+def validate(model, tok, val, cfg, device, ref=None):
     """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n.
-    Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks."""
+    Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks. Given the reference
+    `ref` and trainer.val_kl_prompts > 0, also the on-policy KL (`on_policy_kl`)."""
     d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
     score = get_task(d.task).score
     sources = sorted({ex["data_source"] for ex in val})
@@ -107,6 +108,8 @@ def validate(model, tok, val, cfg, device):
     metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}
     if totals[-1, 1] > 0:
         metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
+    if ref is not None and cfg.trainer.val_kl_prompts:
+        metrics.update(on_policy_kl(dist.unwrap(model), ref, tok, val, cfg, device))
     return metrics
 
 

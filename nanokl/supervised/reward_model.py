@@ -288,6 +288,15 @@ def reference_samples(policy, tok, examples, max_new_tokens, temperature=1.0, te
 # The command line: data, training, held-out accuracy, normalisation, save
 
 
+def build_ranked_data(cfg) -> dict:
+    """The ranked warm-start samples reward_model.train describes (train and held-out files); they are
+    also the logged responses of the offline configs."""
+    t, d = cfg.reward_model.train, cfg.data
+    return build_preference_data(cfg.actor_rollout_ref.model.path, t.data_path, t.num_prompts, t.n, t.seed,
+                                 t.val_data_path, t.num_val_prompts, d, d.prompt_template, d.max_response_length,
+                                 cfg.actor_rollout_ref.rollout.temperature, device=dist.local_device(cfg.trainer.device))
+
+
 def train_from_config(cfg, progress=True) -> dict:
     """What `python -m nanokl.supervised.reward_model` does; returns the metrics it also writes to rm_metrics.json."""
     rc, t, d = cfg.reward_model, cfg.reward_model.train, cfg.data  # sizes and rates: checked by config_rules
@@ -301,9 +310,7 @@ def train_from_config(cfg, progress=True) -> dict:
     temperature = cfg.actor_rollout_ref.rollout.temperature
     t0 = time.perf_counter()
     if not Path(t.data_path).is_file():
-        build_preference_data(policy_dir, t.data_path, t.num_prompts, t.n, t.seed, t.val_data_path,
-                              t.num_val_prompts, d, d.prompt_template, d.max_response_length,
-                              temperature, device=device)
+        build_ranked_data(cfg)
     t_data = time.perf_counter() - t0
     tok = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path)
     train_items = encode_rankings(read_preferences(t.data_path), tok, d.prompt_template)
