@@ -39,12 +39,10 @@ batch equals a hand-built one, and that the draw is the same for every rank spli
 
 import math
 import random
-from pathlib import Path
 
 import torch
 
-from nanokl.harness.config_io import UserError
-from nanokl.harness.data import DataError, _chat_prompt, build_prompts, read_rows
+from nanokl.harness.data import DataError, _chat_prompt, build_prompts, read_examples
 from nanokl.harness.tokenizer import apply_template
 from nanokl.rollout import RolloutOutput
 
@@ -117,40 +115,31 @@ def read_logged(paths, tok, *, template="plain", max_prompt_length=None, max_res
     tokens of each response, EOS included when it ended). `need_ranking` (DPO: two or more ranked
     responses) and `need_truth` (scoring by the task's rule: ground truth and data_source) make
     those fields required. Any bad row is a DataError naming file:line."""
-    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    rows = []
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise UserError(f"logged-response file not found: {path} (data.offline_files)")
-        before = len(rows)
-        for where, obj in read_rows(path):
-            row = parse_row(obj, where)
-            if max_prompt_length is not None:
-                n = len(tok.encode_one(apply_template(row["prompt"], template, row.get("system_prompt"))))
-                if n > max_prompt_length:
-                    raise DataError(f"{where}: the prompt has {n} tokens, over data.max_prompt_length="
-                                    f"{max_prompt_length}")
-            row["response_ids"] = [tok.encode_one(r) + [tok.eos_token_id] * e
-                                   for r, e in zip(row["responses"], row["ended"])]
-            for k, ids in enumerate(row["response_ids"]):
-                if row["logprobs"] is not None and len(row["logprobs"][k]) != len(ids):
-                    raise DataError(f"{where}: logprobs[{k}] has {len(row['logprobs'][k])} values but response "
-                                    f"{k} has {len(ids)} tokens (its text tokenized{', plus the EOS' * row['ended'][k]})")
-                if max_response_length is not None and len(ids) > max_response_length:
-                    # cut as the rollout cuts a response at max_response_length: no EOS, scored as cut off
-                    row["response_ids"][k] = ids[:max_response_length]
-                    if row["logprobs"] is not None:
-                        row["logprobs"][k] = row["logprobs"][k][:max_response_length]
-            if need_ranking and (row["ranking"] is None or len(row["responses"]) < 2):
-                raise DataError(f"{where}: DPO needs at least two responses ranked best first "
-                                "('responses' + 'ranking', or 'chosen' + 'rejected')")
-            if need_truth and not ("ground_truth" in row and "data_source" in row):
-                raise DataError(f"{where}: scoring by the task's rule needs 'ground_truth' and 'data_source' "
-                                "(or enable a reward model: reward_model.enable=true)")
-            rows.append(row)
-        if len(rows) == before:
-            raise DataError(f"{path}: no rows in the file")
-    return rows
+    def checked(obj, where):
+        row = parse_row(obj, where)
+        row["response_ids"] = [tok.encode_one(r) + [tok.eos_token_id] * e
+                               for r, e in zip(row["responses"], row["ended"])]
+        for k, ids in enumerate(row["response_ids"]):
+            if row["logprobs"] is not None and len(row["logprobs"][k]) != len(ids):
+                raise DataError(f"{where}: logprobs[{k}] has {len(row['logprobs'][k])} values but response "
+                                f"{k} has {len(ids)} tokens (its text tokenized{', plus the EOS' * row['ended'][k]})")
+            if max_response_length is not None and len(ids) > max_response_length:
+                # cut as the rollout cuts a response at max_response_length: no EOS, scored as cut off
+                row["response_ids"][k] = ids[:max_response_length]
+                if row["logprobs"] is not None:
+                    row["logprobs"][k] = row["logprobs"][k][:max_response_length]
+        if max_prompt_length is not None:
+            n = len(tok.encode_one(apply_template(row["prompt"], template, row.get("system_prompt"))))
+            if n > max_prompt_length:
+                raise DataError(f"{where}: the prompt has {n} tokens, over data.max_prompt_length={max_prompt_length}")
+        if need_ranking and (row["ranking"] is None or len(row["responses"]) < 2):
+            raise DataError(f"{where}: DPO needs at least two responses ranked best first "
+                            "('responses' + 'ranking', or 'chosen' + 'rejected')")
+        if need_truth and not ("ground_truth" in row and "data_source" in row):
+            raise DataError(f"{where}: scoring by the task's rule needs 'ground_truth' and 'data_source' "
+                            "(or enable a reward model: reward_model.enable=true)")
+        return row
+    return read_examples(paths, checked)
 
 
 def draw_responses(row, n, seed, step, index) -> list[int]:
