@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -73,3 +74,73 @@ def test_step_tiny():
     out = run([sys.executable, str(BENCH / "step.py"), "--tiny"], timeout=300)
     row = next(ln for ln in out.splitlines() if ln.startswith("| tiny |"))
     assert float(row.split("|")[3]) > 0  # nanokl s/step
+
+
+def _race():
+    sys.path.insert(0, str(BENCH))
+    import race
+    return race
+
+
+def test_race_clock_matches_a_naive_schedule():
+    """The race's clock: an evaluation is due when the step-time total crosses a multiple of `every`
+    or of the budget, and the race ends at horizon x budget. Checked against a plain float loop."""
+    race = _race()
+    durations = [0.37, 0.41, 0.29, 0.55, 0.33, 0.61, 0.18, 0.47, 0.52, 0.39, 0.44, 0.36]
+    budget, every, horizon = 1.7, 0.5, 2
+    clock = race.Clock(budget, horizon, every)
+    got, t_prev, t = [], 0.0, 0.0
+    want = []
+    for d in durations:
+        if clock.done():
+            break
+        clock.add(d)
+        t += d
+        got.append(clock.due())
+        crossed_every = int(t // every) > int(t_prev // every)
+        crossed_budget = any(t_prev < budget * k <= t for k in range(1, horizon + 1))
+        want.append(crossed_every or crossed_budget)
+        t_prev = t
+    assert got == want and sum(want) >= 5
+    assert clock.done() and t >= budget * horizon and t - durations[len(got) - 1] < budget * horizon
+
+
+def test_race_test_set_is_held_out():
+    """The race's test problems: the validation side of the task's hash (never a training problem),
+    none of the validation set's, drawn with another seed; the same every time."""
+    race = _race()
+    from nanokl.harness.config import load_config
+    from nanokl.tasks import arith
+    cfg = load_config(ROOT / "configs" / "arith_tiny.yaml")
+    train, val = arith.examples(cfg.data, seed=cfg.data.seed)
+    test = race.test_set(cfg, val, 512, 7)
+    prompts = [ex["prompt"] for ex in test]
+    assert len(set(prompts)) == 512
+    assert not set(prompts) & {ex["prompt"] for ex in val}
+    assert not set(prompts) & {ex["prompt"] for ex in train}
+    assert all(arith._is_val_problem(p) for p in prompts)
+    assert race.test_set(cfg, val, 512, 7) == test and race.test_set(cfg, val, 512, 8) != test
+
+
+def test_race_tiny(sft_dir, tmp_path):
+    """bench/race.py's tiny mode end to end (TRL, the peer, is an optional extra, not run here): the
+    curve starts at the warm start's own accuracy, each evaluation sits on the step that crossed its
+    mark, and the table reads the curve."""
+    out = run([sys.executable, str(BENCH / "race.py"), "--tiny", "--model", str(sft_dir), "--out", str(tmp_path)],
+              timeout=300)
+    curve = json.loads((tmp_path / "nanokl_default_s42.json").read_text())["curve"]
+    race = _race()
+    from nanokl.harness.config import load_config
+    from nanokl.harness.hf_format import from_pretrained
+    from nanokl.harness.scoring import validate
+    from nanokl.harness.tokenizer import load_tokenizer
+    cfg = load_config(ROOT / "configs" / "arith_tiny.yaml", [f"actor_rollout_ref.model.path={sft_dir}",
+                                                             "data.num_val=8"])
+    _, val = race.TASKS["arith"].examples(cfg.data, seed=cfg.data.seed)
+    acc0 = validate(from_pretrained(sft_dir), load_tokenizer(sft_dir), val, cfg, torch.device("cpu"))
+    assert curve[0]["t"] == 0 and curve[0]["acc_val"] == acc0[race.ACC]
+    ts = [p["t"] for p in curve]
+    assert ts == sorted(ts) and ts[-1] >= 2 * 3.0 and any(p["t"] >= 3.0 for p in curve[:-1])
+    row = next(ln for ln in out.splitlines() if ln.startswith("| nanokl | default | 42 |"))
+    one = next(p for p in curve if p["t"] >= 3.0)
+    assert float(row.split("|")[4]) == round(one["acc_test"], 3) and int(row.split("|")[12]) == one["step"]
