@@ -56,7 +56,7 @@ from nanokl.rollout import generate  # noqa: E402
 from nanokl.tasks import TASKS  # noqa: E402
 
 ACC = "val-core/arith/acc/mean@1"
-TRL_DEFAULT = "lr=2e-5,gens=4,beta=0.04"  # the grid's best on `val` (bench/RESULTS.md)
+TRL_DEFAULT = "lr=2e-5,gens=8,beta=0.04"  # the grid's choice on `val` (bench/RESULTS.md)
 
 
 def parse_setting(spec: str) -> tuple[str, list[str]]:
@@ -382,7 +382,7 @@ def run_all(args):
             print("trl is not installed (pip install -e .[bench]): racing nanokl alone", file=sys.stderr)
             have_trl = False
     runs = [("nanokl", *parse_setting(s)) for s in (args.nanokl or ["default"])] if not args.no_nanokl else []
-    runs += [("trl", *parse_setting(s)) for s in (args.trl or [f"default:{TRL_DEFAULT}"])] if have_trl else []
+    runs += [("trl", *parse_setting(s)) for s in (args.trl or [f"g8_lr2e-5:{TRL_DEFAULT}"])] if have_trl else []
     results = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for side, label, overrides in runs:
