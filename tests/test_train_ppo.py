@@ -162,6 +162,44 @@ def test_exact_resume(sft_dir, tmp_path):
     assert ma[-1]["actor/reward_kl_penalty_coeff"] == mb[-1]["actor/reward_kl_penalty_coeff"]
 
 
+def raw_rows(run_dir):
+    return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl") if line.strip()]
+
+
+def test_resume_logs_each_step_once(sft_dir, tmp_path):
+    """A run resumed from an earlier checkpoint than its last logged step (a crash between checkpoints)
+    redoes those steps: metrics.jsonl must then hold each step once, each row as an uninterrupted run
+    logged it (timing aside)."""
+    steps4 = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1"]
+    run(sft_dir, tmp_path / "a", *steps4)
+    run(sft_dir, tmp_path / "b", "trainer.total_training_steps=3", "trainer.save_freq=2", "trainer.test_freq=-1")
+    assert [r["training/global_step"] for r in raw_rows(tmp_path / "b")] == [0, 1, 2, 3]
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+        f.write('{"training/global_step": 4, "actor/pg_l')  # a row cut by the crash
+    run(sft_dir, tmp_path / "b", *steps4, "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={tmp_path / 'b' / 'checkpoints' / 'global_step_2'}")
+    a, b = raw_rows(tmp_path / "a"), raw_rows(tmp_path / "b")
+    assert [r["training/global_step"] for r in b] == [0, 1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        assert {k: v for k, v in ra.items() if not k.startswith(("timing_s/", "perf/throughput"))} == \
+            {k: v for k, v in rb.items() if not k.startswith(("timing_s/", "perf/throughput"))}
+
+
+def test_drop_rows_after_matches_a_filter(tmp_path):
+    """drop_rows_after keeps exactly the whole rows of steps <= k, in order, and touches nothing when
+    nothing is to go."""
+    from nanokl.harness.tracking import drop_rows_after
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"training/global_step": s, "x": s * 0.5}) + "\n" for s in (0, 1, 2, 2, 3, 4, 5)]
+    path.write_text("".join(lines) + '{"training/global_step": 6, "x"')
+    assert drop_rows_after(path, 3) == 3  # steps 4, 5 and the cut line
+    assert path.read_text() == "".join(ln for ln in lines if json.loads(ln)["training/global_step"] <= 3)
+    before = path.stat().st_mtime_ns
+    assert drop_rows_after(path, 3) == 0 and path.stat().st_mtime_ns == before
+    assert drop_rows_after(tmp_path / "missing.jsonl", 3) == 0
+
+
 def test_crash_during_checkpoint_write_keeps_previous(sft_dir, tmp_path):
     run(sft_dir, tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1")
     before = latest_checkpoint(tmp_path)

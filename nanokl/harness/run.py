@@ -257,7 +257,7 @@ def setup(cfg) -> Run:
     if rollback_on and run.healthy_step is None:
         save(run, run.start)  # the starting point is healthy by definition: something to roll back to
     run.tracker = Tracker(run_dir, t.logger, config_to_dict(cfg), enabled=rank == 0, project=t.project_name,
-                          experiment=t.experiment_name)
+                          experiment=t.experiment_name, resume_step=run.start if ckpt else None)
     if ro.use_cuda_graph:  # size the rollout's CUDA-graph engine once, for every call of the run (a no-op on CPU)
         val_rows = min(d.val_batch_size, len(val[rank::W])) * ro.val_kwargs.n if val else 0
         make_engine(dist.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),

@@ -6,10 +6,15 @@ Every PPO step produces a flat dict of floats under verl's metric names (`actor/
 and the README's numbers read; prints a one-line summary through tqdm so the progress bar stays
 intact; and forwards it to TensorBoard or Weights & Biases only when the package is installed and
 `trainer.logger` asks for it (verl's `Tracking` does the same with more backends).
+
+A resumed run redoes the steps after its checkpoint, which a crashed run may already have logged.
+Before it appends, the tracker drops those rows (`drop_rows_after`: a new file renamed over the
+old, so a crash while it does so leaves one or the other), and metrics.jsonl holds each step once.
 """
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -41,15 +46,51 @@ def console_line(step, metrics: dict) -> str:
     return " | ".join(parts)
 
 
+def drop_rows_after(path, step: int) -> int:
+    """Keep only the rows of metrics.jsonl logged for global steps <= `step` (and drop a last line cut
+    by a crash mid-write); returns how many rows went. Atomic: the kept rows are written to a new
+    file, synced, and renamed over the old one."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if row.get("training/global_step", 0) <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 class Tracker:
     def __init__(self, run_dir, backends=("console", "jsonl"), config: dict | None = None, enabled=True,
-                 project="nanokl", experiment="default"):
+                 project="nanokl", experiment="default", resume_step: int | None = None):
         self.enabled, self.backends = enabled, set(backends)
         self.file = self.tb = self.wandb = None
         if not enabled:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:  # the steps after the checkpoint are about to be logged again
+            dropped = drop_rows_after(run_dir / "metrics.jsonl", resume_step)
+            if dropped:
+                print(f"tracking: dropped {dropped} row(s) of metrics.jsonl logged after step {resume_step}, "
+                      "which this run redoes", file=sys.stderr)
         self.file = open(run_dir / "metrics.jsonl", "a")
         if "tensorboard" in self.backends:
             try:
@@ -96,7 +137,7 @@ def _plain(v):
 
 
 def read_metrics(run_dir) -> list[dict]:
-    """All rows of a run's metrics.jsonl (the last row per step wins after a resume)."""
+    """All rows of a run's metrics.jsonl, the rows of one step merged (validation logs its own row)."""
     rows = {}
     with open(Path(run_dir) / "metrics.jsonl") as f:
         for line in f:
