@@ -186,6 +186,23 @@ def test_resume_logs_each_step_once(sft_dir, tmp_path):
             {k: v for k, v in rb.items() if not k.startswith(("timing_s/", "perf/throughput"))}
 
 
+def test_auto_resume_skips_truncated_weights(sft_dir, tmp_path, capfd):
+    """The fault as a user met it: the newest checkpoint's actor weights truncated. resume_mode=auto
+    names the file, resumes from the one before, and ends where an uninterrupted run ends."""
+    steps4 = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1"]
+    run(sft_dir, tmp_path / "a", *steps4)
+    run(sft_dir, tmp_path / "b", *steps4)
+    bad = tmp_path / "b" / "checkpoints" / "global_step_4" / "actor" / "model.safetensors"
+    bad.write_bytes(bad.read_bytes()[:1000])
+    capfd.readouterr()
+    run(sft_dir, tmp_path / "b", *steps4)
+    err = capfd.readouterr().err
+    assert f"checkpoint global_step_4 skipped: {bad}" in err and "at step 2" in err
+    wa, wb = weights(tmp_path / "a" / "checkpoints" / "global_step_4" / "actor"), weights(bad.parent)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [r["training/global_step"] for r in raw_rows(tmp_path / "b")] == [0, 1, 2, 3, 4]
+
+
 def test_drop_rows_after_matches_a_filter(tmp_path):
     """drop_rows_after keeps exactly the whole rows of steps <= k, in order, and touches nothing when
     nothing is to go."""

@@ -22,12 +22,21 @@ writing a temporary file and `os.replace`-ing it: a rename within one file syste
 crash at any moment leaves either the old checkpoint or the new one, never half of one. Loading
 follows the pointer; leftover `.tmp` directories are ignored and cleaned on the next save.
 
+Verification. The last file written before the rename is `manifest.json`: every other file's size
+and SHA-256. `latest_checkpoint` resumes from the newest checkpoint that still matches its manifest
+and names the file of each one it skips (a truncated or copied-over file); an explicitly requested
+checkpoint that does not match is an error. Retention never deletes older checkpoints while the
+newest one does not verify.
+
 Safety: weights are safetensors; optimizer and trainer state are read with
 `torch.load(weights_only=True)`, which refuses to unpickle arbitrary objects.
 """
 
+import hashlib
+import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -36,6 +45,49 @@ from nanokl.harness.config_io import UserError
 from nanokl.harness.hf_format import save_pretrained
 
 POINTER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(ckpt):
+    """Every file under `ckpt` (but the manifest) -> its size and SHA-256, written to manifest.json."""
+    ckpt = Path(ckpt)
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (ckpt / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def verify_checkpoint(ckpt) -> str | None:
+    """None when every file of the manifest is there with its size and SHA-256; else what is wrong,
+    naming the file."""
+    ckpt = Path(ckpt)
+    try:
+        entries = json.loads((ckpt / MANIFEST).read_text())["files"]
+        assert isinstance(entries, dict)
+    except FileNotFoundError:
+        return f"{ckpt / MANIFEST}: missing"
+    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+        return f"{ckpt / MANIFEST}: unreadable"
+    for name, want in entries.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{path}: missing"
+        try:
+            size, digest = want["size"], want["sha256"]
+        except (KeyError, TypeError):
+            return f"{ckpt / MANIFEST}: unreadable entry for {name}"
+        if path.stat().st_size != size:
+            return f"{path}: {path.stat().st_size} bytes, the manifest says {size}"
+        if _sha256(path) != digest:
+            return f"{path}: SHA-256 differs from the manifest"
+    return None
 
 
 def rng_state(generator=None) -> dict:
@@ -68,6 +120,7 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
     final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
+    tmp.mkdir()
     for name, model in models.items():
         model, sd = model if isinstance(model, tuple) else (model, None)
         save_pretrained(model, tmp / name, state_dict=sd)
@@ -75,6 +128,7 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
         tokenizer.save(tmp / "actor")
     torch.save(optim_state, tmp / "optim.pt")
     torch.save({**trainer_state, "global_step": step}, tmp / "trainer_state.pt")
+    write_manifest(tmp)  # last: a directory with a manifest was written whole
     if final.exists():  # re-saving the same step (e.g. after a rollback): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -83,7 +137,7 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
     os.replace(ptr_tmp, root / POINTER)
     for stale in root.glob("global_step_*.tmp"):  # debris of an earlier crash
         shutil.rmtree(stale, ignore_errors=True)
-    if keep:
+    if keep and verify_checkpoint(final) is None:  # never delete the last good one for a bad one
         done = sorted((p for p in root.glob("global_step_*") if p.suffix != ".tmp"),
                       key=lambda p: int(p.name.rsplit("_", 1)[1]))
         for old in done[:-keep]:
@@ -91,18 +145,35 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
     return final
 
 
-def latest_checkpoint(run_dir) -> Path | None:
-    """The checkpoint the pointer file names, or None when the run has none yet."""
+def _step_of(path) -> int:
+    try:
+        return int(path.name.rsplit("_", 1)[1])
+    except ValueError:
+        return -1
+
+
+def latest_checkpoint(run_dir, warn=True) -> Path | None:
+    """The newest checkpoint that verifies against its manifest, or None when there is none: the
+    pointer file's first, then the others newest first. Each one skipped is named, with its bad file,
+    in a one-line warning."""
     root = Path(run_dir) / "checkpoints"
-    ptr = root / POINTER
-    if not ptr.is_file():
+    if not root.is_dir():
         return None
-    path = root / f"global_step_{int(ptr.read_text().strip())}"
-    if path.is_dir():
-        return path
-    # a crash while re-saving the same step removed it: fall back to the newest complete one
-    done = [p for p in root.glob("global_step_*") if p.suffix != ".tmp" and (p / "trainer_state.pt").is_file()]
-    return max(done, key=lambda p: int(p.name.rsplit("_", 1)[1]), default=None)
+    done = sorted((p for p in root.glob("global_step_*") if p.is_dir() and p.suffix != ".tmp"), key=_step_of,
+                  reverse=True)
+    ptr = root / POINTER
+    try:
+        named = root / f"global_step_{int(ptr.read_text().strip())}"
+        done = sorted(done, key=lambda p: p != named)  # the pointer's target first (a stable sort)
+    except (OSError, ValueError):
+        pass
+    for path in done:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        if warn:
+            print(f"checkpoint {path.name} skipped: {problem}", file=sys.stderr)
+    return None
 
 
 def load_state(path, read_optim=True) -> tuple[dict | None, dict]:
@@ -114,6 +185,14 @@ def load_state(path, read_optim=True) -> tuple[dict | None, dict]:
     for f in ("optim.pt", "trainer_state.pt"):
         if not (path / f).is_file():
             raise UserError(f"{path}: not a nanokl checkpoint (no {f})")
-    optim = torch.load(path / "optim.pt", weights_only=True, map_location="cpu") if read_optim else None
-    trainer = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+
+    def read(f):
+        try:
+            return torch.load(path / f, weights_only=True, map_location="cpu")
+        except Exception as e:  # a truncated zip, a bit flip, a pickle of the wrong thing: never a traceback
+            raise UserError(f"{path / f}: unreadable ({type(e).__name__})") from None
+    optim = read("optim.pt") if read_optim else None
+    trainer = read("trainer_state.pt")
+    if not isinstance(trainer, dict) or "global_step" not in trainer:
+        raise UserError(f"{path / 'trainer_state.pt'}: not a nanokl trainer state")
     return optim, trainer

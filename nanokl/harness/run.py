@@ -41,7 +41,8 @@ from tqdm import tqdm
 from nanokl import dist
 from nanokl.advantages import ESTIMATORS
 from nanokl.batching import Batching
-from nanokl.harness.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
+from nanokl.harness.checkpoint import (latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state,
+                                      verify_checkpoint)
 from nanokl.harness.config import config_to_dict, save_config
 from nanokl.harness.config_io import UserError
 from nanokl.harness.data import steps_per_epoch
@@ -214,10 +215,12 @@ def setup(cfg) -> Run:
 
     # models: the policy (actor), its frozen copy (reference), the critic
     ckpt = None
-    if t.resume_mode == "auto":
-        ckpt = latest_checkpoint(run_dir)
+    if t.resume_mode == "auto":  # the newest checkpoint that matches its manifest; skipped ones are named
+        ckpt = latest_checkpoint(run_dir, warn=rank == 0)
     elif t.resume_mode == "resume_path":
         ckpt = Path(t.resume_from_path)
+        if (problem := verify_checkpoint(ckpt)) is not None:
+            raise UserError(f"trainer.resume_from_path={ckpt} does not verify: {problem}")
     model_path = Path(arr.model.path)
     actor_path = ckpt / "actor" if ckpt else model_path
     actor = from_pretrained(actor_path, device=device).train()
