@@ -87,11 +87,13 @@ def test_retention_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
 
 
 def test_explicit_resume_of_a_bad_checkpoint_exits_2_with_one_line(tmp_path):
+    """Refused before any work (with no warm start on disk, none is trained first)."""
     ckpt = save(tmp_path, 2)
     weights = ckpt / "optim.pt"
     weights.write_bytes(weights.read_bytes()[:-10])
     proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "trainer.resume_mode=resume_path",
-                           f"trainer.resume_from_path={ckpt}", f"trainer.default_local_dir={tmp_path / 'run'}"],
+                           f"trainer.resume_from_path={ckpt}", f"trainer.default_local_dir={tmp_path / 'run'}",
+                           f"actor_rollout_ref.model.path={tmp_path / 'no_sft'}", f"sft.output_dir={tmp_path / 'no_sft'}"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()

@@ -201,6 +201,8 @@ def setup(cfg) -> Run:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+    if t.resume_mode == "resume_path" and (problem := verify_checkpoint(t.resume_from_path)) is not None:
+        raise UserError(f"trainer.resume_from_path={t.resume_from_path} does not verify: {problem}")  # before any work
     _train_missing_stages(cfg, rank)
     # seeded after the warm start and the RM, which draw from the same generator: the critic's new
     # value head is then the same whether they were trained in this process or found on disk
@@ -219,8 +221,6 @@ def setup(cfg) -> Run:
         ckpt = latest_checkpoint(run_dir, warn=rank == 0)
     elif t.resume_mode == "resume_path":
         ckpt = Path(t.resume_from_path)
-        if (problem := verify_checkpoint(ckpt)) is not None:
-            raise UserError(f"trainer.resume_from_path={ckpt} does not verify: {problem}")
     model_path = Path(arr.model.path)
     actor_path = ckpt / "actor" if ckpt else model_path
     actor = from_pretrained(actor_path, device=device).train()
