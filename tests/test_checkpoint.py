@@ -37,6 +37,18 @@ def test_manifest_lists_every_file_with_size_and_sha256(tmp_path):
     assert verify_checkpoint(ckpt) is None
 
 
+def test_a_checkpoint_from_before_manifests_is_still_resumed(tmp_path, capsys):
+    """No lost work on upgrade: a run whose checkpoints predate manifests resumes from its newest, with
+    a warning; one that verifies always wins over it."""
+    old = save(tmp_path, 2)
+    (old / MANIFEST).unlink()
+    assert latest_checkpoint(tmp_path) == old and "no manifest" in capsys.readouterr().err
+    new = save(tmp_path, 4)
+    assert latest_checkpoint(tmp_path) == new and capsys.readouterr().err == ""
+    (new / MANIFEST).unlink()
+    assert latest_checkpoint(tmp_path, warn=False) == new  # the newest of the unverified ones
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
 def test_auto_resume_skips_a_damaged_checkpoint_and_names_the_file(tmp_path, capsys, damage):
     save(tmp_path, 2)

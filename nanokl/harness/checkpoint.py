@@ -167,13 +167,19 @@ def latest_checkpoint(run_dir, warn=True) -> Path | None:
         done = sorted(done, key=lambda p: p != named)  # the pointer's target first (a stable sort)
     except (OSError, ValueError):
         pass
+    legacy = None  # written before checkpoints had manifests: used, unverified, only if nothing verifies
     for path in done:
         problem = verify_checkpoint(path)
         if problem is None:
             return path
-        if warn:
+        if legacy is None and not (path / MANIFEST).exists() and (path / "trainer_state.pt").is_file():
+            legacy = path
+        elif warn:
             print(f"checkpoint {path.name} skipped: {problem}", file=sys.stderr)
-    return None
+    if legacy is not None and warn:
+        print(f"checkpoint {legacy.name} has no manifest (written before nanokl wrote them): resuming from it "
+              "unverified", file=sys.stderr)
+    return legacy
 
 
 def load_state(path, read_optim=True) -> tuple[dict | None, dict]:
