@@ -26,7 +26,7 @@ Verification. The last file written before the rename is `manifest.json`: every 
 and SHA-256. `latest_checkpoint` resumes from the newest checkpoint that still matches its manifest
 and names the file of each one it skips (a truncated or copied-over file); an explicitly requested
 checkpoint that does not match is an error. Retention never deletes older checkpoints while the
-newest one does not verify.
+newest one has no manifest.
 
 Safety: weights are safetensors; optimizer and trainer state are read with
 `torch.load(weights_only=True)`, which refuses to unpickle arbitrary objects.
@@ -137,9 +137,10 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
     os.replace(ptr_tmp, root / POINTER)
     for stale in root.glob("global_step_*.tmp"):  # debris of an earlier crash
         shutil.rmtree(stale, ignore_errors=True)
-    if keep and verify_checkpoint(final) is None:  # never delete the last good one for a bad one
-        done = sorted((p for p in root.glob("global_step_*") if p.suffix != ".tmp"),
-                      key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    # never delete the last good one for a bad one. The manifest was hashed from the files on disk a
+    # moment ago: its presence is the check, without reading gigabytes of weights a second time
+    if keep and (final / MANIFEST).is_file():
+        done = sorted((p for p in root.glob("global_step_*") if p.suffix != ".tmp"), key=_step_of)
         for old in done[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
