@@ -291,3 +291,48 @@ def test_nan_loss_is_skipped_then_stops_the_run(sft_dir, tmp_path, monkeypatch):
     # the skipped updates left the actor exactly at the warm start
     w0, w3 = weights(sft_dir), weights(latest_checkpoint(tmp_path) / "actor")
     assert all(torch.equal(w0[k], w3[k]) for k in w0)
+
+
+def test_fresh_heads_and_warm_start_draw_from_their_own_seeded_generators(sft_dir, tmp_path):
+    """The value head and the RM head are normal(0, initializer_range) rows from a CPU generator of
+    their own seed (the reference: that generator drawn here), whatever torch's global generator
+    went through before; the warm start neither depends on nor moves the global generator."""
+    from nanokl.harness.config import load_config
+    from nanokl.harness.hf_format import load_value_model, read_config
+    from nanokl.supervised.reward_model import load_reward_model
+    from nanokl.supervised.sft import train_sft
+    H, std = read_config(sft_dir)[0]["hidden_size"], read_config(sft_dir)[0]["initializer_range"]
+    want = torch.randn(1, H, generator=torch.Generator().manual_seed(7), dtype=torch.float32) * std
+    for noise in (0, 1000):
+        torch.randn(noise)  # another history of the global generator
+        assert torch.equal(load_value_model(sft_dir, seed=7).score.weight.detach(), want)
+        assert torch.equal(load_reward_model(sft_dir, seed=7).score.weight.detach(), want)
+    assert not torch.equal(load_value_model(sft_dir, seed=8).score.weight.detach(), want)
+
+    tiny = ["sft.steps=3", "sft.num_examples=128", "data.num_val=8", "sft.hidden_size=32", "sft.intermediate_size=48",
+            "sft.num_hidden_layers=1"]
+    made = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        out = tmp_path / f"sft{global_seed}"
+        train_sft(load_config(ROOT / "configs" / "arith_tiny.yaml", [*tiny, f"sft.output_dir={out}"]), progress=False)
+        assert torch.equal(torch.get_rng_state(), before)  # the caller's generator is untouched
+        made.append(weights(out))
+    assert made[0].keys() == made[1].keys() and all(torch.equal(made[0][k], made[1][k]) for k in made[0])
+
+
+def test_same_run_whether_the_warm_start_was_trained_in_process_or_loaded(tmp_path):
+    """The fault as a user met it: the first run trains the warm start in its own process, the second
+    finds it on disk. Same command, same run: every logged number equal (timing aside)."""
+    sft = tmp_path / "sft"
+    tiny = ["sft.steps=20", "sft.num_examples=256", "sft.hidden_size=32", "sft.intermediate_size=48",
+            "sft.num_hidden_layers=1", "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1"]
+    run(sft, tmp_path / "a", *tiny)  # trains the warm start first (sft.output_dir = model path)
+    run(sft, tmp_path / "b", *tiny)  # loads it
+    a, b = raw_rows(tmp_path / "a"), raw_rows(tmp_path / "b")
+    assert len(a) == len(b) == 3 and "critic/values/mean" in a[1]
+
+    def strip(r):
+        return {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/throughput"))}
+    assert [strip(r) for r in a] == [strip(r) for r in b]

@@ -213,25 +213,28 @@ def from_pretrained(path, device=None, dtype=None) -> CausalLM:
     return build_model(CausalLM, cfg, tensors, path, ("score.weight", "score.bias"), device, dtype or torch.float32)
 
 
-def load_scalar_head(cls, path, device=None, dtype=None, bias=True):
+def load_scalar_head(cls, path, device=None, dtype=None, bias=True, seed=0):
     """A model with a scalar `score` head (critic, reward model): from its own directory, or from a
     causal LM whose LM head is swapped for a fresh normal(0, initializer_range) row (and a zero
-    bias if `cls` has one), as verl's critic gets it from `transformers`."""
+    bias if `cls` has one), as verl's critic gets it from `transformers`. The fresh row is drawn
+    on the CPU from its own generator seeded with `seed`: the same head whatever drew from torch's
+    global generator before (an SFT trained in the same process, say), on any device."""
     kw, head = read_config(path)
     cfg = ModelConfig(**kw)
     device = torch.device(device or "cpu")
     tensors = load_tensors(path, device)
     if head == "lm":
         tensors.pop("lm_head.weight", None)
-        tensors["score.weight"] = torch.randn(1, cfg.hidden_size, device=device) * cfg.initializer_range
+        gen = torch.Generator().manual_seed(seed)
+        tensors["score.weight"] = (torch.randn(1, cfg.hidden_size, generator=gen) * cfg.initializer_range).to(device)
         if bias:
             tensors["score.bias"] = torch.zeros(1, device=device)
     return build_model(cls, cfg, tensors, path, (), device, dtype or torch.float32)
 
 
-def load_value_model(path, device=None, dtype=None) -> ValueModel:
-    """The critic: a value-model directory, or a causal LM given a fresh value head."""
-    return load_scalar_head(ValueModel, path, device, dtype)
+def load_value_model(path, device=None, dtype=None, seed=0) -> ValueModel:
+    """The critic: a value-model directory, or a causal LM given a fresh value head (drawn with `seed`)."""
+    return load_scalar_head(ValueModel, path, device, dtype, seed=seed)
 
 
 def save_pretrained(model, path, dtype=None, state_dict=None):

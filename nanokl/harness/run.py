@@ -204,8 +204,8 @@ def setup(cfg) -> Run:
     if t.resume_mode == "resume_path" and (problem := verify_checkpoint(t.resume_from_path)) is not None:
         raise UserError(f"trainer.resume_from_path={t.resume_from_path} does not verify: {problem}")  # before any work
     _train_missing_stages(cfg, rank)
-    # seeded after the warm start and the RM, which draw from the same generator: the critic's new
-    # value head is then the same whether they were trained in this process or found on disk
+    # every fresh initialisation (warm start, RM head, value head) draws from its own generator; torch's
+    # global one is seeded too, so that nothing else can make a run depend on what ran before it
     torch.manual_seed(t.seed)
     tok = load_tokenizer(arr.model.tokenizer_path)
     train, val = TASKS[d.task].examples(d, seed=d.seed)
@@ -229,7 +229,7 @@ def setup(cfg) -> Run:
     ref.eval().requires_grad_(False)
     critic = None
     if needs_critic:
-        critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device).train()
+        critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device, seed=t.seed).train()
     # Rollout reads the policy's whole weights. A plain CPU actor (or a DDP replica) is used as is;
     # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
     # in place after every update, so that its captured CUDA graphs stay valid (nanokl/dist.py).

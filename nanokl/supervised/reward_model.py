@@ -251,13 +251,13 @@ def fit_normalization(rm, sequences, attention_mask, micro_batch_size=None) -> t
     return rm.reward_mean, rm.reward_std
 
 
-def load_reward_model(path, device=None, dtype=None) -> RewardModel:
+def load_reward_model(path, device=None, dtype=None, seed=0) -> RewardModel:
     """A reward model directory (with its normalisation when reward_normalization.json is there),
-    or a causal LM whose LM head is swapped for a fresh, bias-free `score` row."""
+    or a causal LM whose LM head is swapped for a fresh, bias-free `score` row (drawn with `seed`)."""
     _, head = read_config(path)
     if head == "value":
         raise CheckpointError(f"{path}: a value model (ForTokenClassification), not a reward model or causal LM")
-    rm = load_scalar_head(RewardModel, path, device, dtype, bias=False)
+    rm = load_scalar_head(RewardModel, path, device, dtype, bias=False, seed=seed)
     norm = Path(path) / NORM_FILE
     if head == "reward" and norm.is_file():
         stats = json.loads(norm.read_text())
@@ -317,8 +317,7 @@ def train_from_config(cfg, progress=True) -> dict:
     val_rows = read_preferences(t.val_data_path) if t.val_data_path and Path(t.val_data_path).is_file() else []
     val_items = encode_rankings(val_rows, tok, d.prompt_template)
 
-    torch.manual_seed(t.seed)
-    rm = load_reward_model(policy_dir, device)
+    rm = load_reward_model(policy_dir, device, seed=t.seed)
     history = train_reward_model(rm, train_items, t.steps, t.batch_size, t.lr, t.loss, t.seed, tok.pad_token_id,
                                  progress)
     # Normalise on the reference policy's samples of PPO's own training prompts, scored as PPO

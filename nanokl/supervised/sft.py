@@ -105,7 +105,6 @@ def train_sft(cfg, progress=True) -> Path:
         raise UserError(f"data.task={d.task} has no demonstrations to warm-start from: give "
                         "actor_rollout_ref.model.path a policy to start PPO from")
     device = dist.local_device(cfg.trainer.device)
-    torch.manual_seed(cfg.trainer.seed)
     train, val = task.examples(d, num_train=s.num_examples, seed=cfg.trainer.seed)
     train = task.demonstrations(train, s, seed=cfg.trainer.seed)
     tok = train_tokenizer(demo_texts(train[:5000]), vocab_size=s.vocab_size)
@@ -114,7 +113,9 @@ def train_sft(cfg, progress=True) -> Path:
                        num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
                        max_position_embeddings=s.max_position_embeddings, rope_theta=10000.0,
                        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = init_weights(CausalLM(mcfg), std=0.02).to(device).train()
+    with torch.random.fork_rng(devices=[]):  # its own seeded stream: the caller's global generator is left as it was
+        torch.manual_seed(cfg.trainer.seed)
+        model = init_weights(CausalLM(mcfg), std=0.02).to(device).train()
     opt, sched = adamw_cosine(model, s.lr, s.steps)
     ids, attn, loss_mask = encode_demos(train, tok, d.prompt_template)
     gen = torch.Generator().manual_seed(cfg.trainer.seed)
