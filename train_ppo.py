@@ -201,8 +201,9 @@ def cli():
     status = 0
     try:
         run_cli(main)
-    except TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr)
+    except TrainingStopped as e:  # every rank stops; one says why
+        if dist.rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
         status = 1
     dist.destroy()  # after main returned, so its DDP/FSDP models are already released
     sys.exit(status)

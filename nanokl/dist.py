@@ -75,7 +75,19 @@ def init():
     if launched() and dist.is_available() and not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+        backend, timeout = "nccl" if cuda else "gloo", timedelta(minutes=30)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun --max-restarts keeps its store across restarts, and a restarted gloo group can read the
+            # dead attempt's addresses from it (torch 2.13: it then hangs or fails to connect): give each
+            # attempt its own key space in the agent's store
+            R, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), W, is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"nanokl/attempt_{attempt}", store), rank=R,
+                                    world_size=W, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return rank(), world(), local_device()
 
 

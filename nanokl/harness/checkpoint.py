@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from nanokl.harness.config_io import UserError
+from nanokl.harness.faults import checkpoint_bytes
 from nanokl.harness.hf_format import save_pretrained
 
 POINTER = "latest_checkpointed_iteration.txt"
@@ -108,27 +109,43 @@ def set_rng_state(state: dict, generator=None):
         generator.set_state(state["generator"])
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk, a quota); the previous one is untouched."""
+
+
 def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_state: dict, tokenizer=None,
                     keep=None) -> Path:
     """Write checkpoint `global_step_{step}` atomically; keep only the newest `keep` if given.
 
     models: name -> module, or name -> (module, full state dict) when the weights were gathered
     from shards (saved HF-format under name/); optim_state: name -> state_dict; trainer_state:
-    plain values and tensors (step, KL controller, RNG states, ...)."""
+    plain values and tensors (step, KL controller, RNG states, ...). Raises CheckpointWriteError,
+    with nothing of the new checkpoint left on disk, when the free space is short of its size or
+    the write fails."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    for name, model in models.items():
-        model, sd = model if isinstance(model, tuple) else (model, None)
-        save_pretrained(model, tmp / name, state_dict=sd)
-    if tokenizer is not None and "actor" in models:
-        tokenizer.save(tmp / "actor")
-    torch.save(optim_state, tmp / "optim.pt")
-    torch.save({**trainer_state, "global_step": step}, tmp / "trainer_state.pt")
-    write_manifest(tmp)  # last: a directory with a manifest was written whole
+    models = {k: m if isinstance(m, tuple) else (m, None) for k, m in models.items()}
+    need = checkpoint_bytes([sd if sd is not None else m for m, sd in models.values()], optim_state, trainer_state)
+    free = shutil.disk_usage(root).free
+    if free < need:  # refuse before writing a byte: a half-written checkpoint would only take more space
+        raise CheckpointWriteError(f"checkpoint not written to {root}: it needs {need:,} bytes and {free:,} are free")
+    try:
+        tmp.mkdir()
+        for name, (model, sd) in models.items():
+            save_pretrained(model, tmp / name, state_dict=sd)
+        if tokenizer is not None and "actor" in models:
+            tokenizer.save(tmp / "actor")
+        torch.save(optim_state, tmp / "optim.pt")
+        torch.save({**trainer_state, "global_step": step}, tmp / "trainer_state.pt")
+        write_manifest(tmp)  # last: a directory with a manifest was written whole
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint is untouched
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise CheckpointWriteError(f"checkpoint not written to {tmp}: {why} (it needs {need:,} bytes; "
+                                   f"{shutil.disk_usage(root).free:,} free)") from None
     if final.exists():  # re-saving the same step (e.g. after a rollback): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -41,11 +41,12 @@ from tqdm import tqdm
 from nanokl import dist
 from nanokl.advantages import ESTIMATORS
 from nanokl.batching import Batching
-from nanokl.harness.checkpoint import (latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state,
-                                      verify_checkpoint)
+from nanokl.harness.checkpoint import (CheckpointWriteError, latest_checkpoint, load_state, rng_state,
+                                      save_checkpoint, set_rng_state, verify_checkpoint)
 from nanokl.harness.config import config_to_dict, save_config
 from nanokl.harness.config_io import UserError
 from nanokl.harness.data import steps_per_epoch
+from nanokl.harness.faults import Preemption, catch_preemption, inject
 from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
@@ -65,7 +66,8 @@ MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before
 
 
 class TrainingStopped(Exception):
-    """The run cannot continue (e.g. repeated NaN losses); a checkpoint was saved first."""
+    """The run cannot continue (repeated NaN losses: a checkpoint was saved first; a checkpoint that
+    could not be written: the previous one is intact)."""
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Run:
     start: int = 0
     nan_streak: int = 0
     healthy_step: int | None = None  # the last checkpoint a rollback may return to
+    preempt: Preemption | None = None  # set by steps(): a SIGTERM / SIGUSR1 ends the run after its step
 
 
 def lr_lambda(optim, total_steps):
@@ -271,9 +274,13 @@ def setup(cfg) -> Run:
 
 
 def steps(run):
-    """The remaining global steps, with a progress bar on rank 0."""
-    return tqdm(range(run.start, run.total_steps), desc="ppo", initial=run.start, total=run.total_steps,
-                file=sys.stderr, disable=run.rank != 0)
+    """The remaining global steps, with a progress bar on rank 0. While they run, SIGTERM / SIGUSR1
+    (a scheduler's preemption notice) only raise a flag that end_step honours (nanokl/harness/faults.py)."""
+    with catch_preemption() as run.preempt:
+        for step in tqdm(range(run.start, run.total_steps), desc="ppo", initial=run.start, total=run.total_steps,
+                         file=sys.stderr, disable=run.rank != 0):
+            inject(step, run.rank)  # test-only faults (NANOKL_FAULT); nothing when unset
+            yield step
 
 
 def _models(run):
@@ -325,11 +332,16 @@ def save(run, step, healthy=True) -> Path:
     state = {"kl_ctrl": run.kl_ctrl.state_dict(), "kl_loss_ctrl": run.kl_loss_ctrl.state_dict(), "rng": rng_state(),
              "nan_streak": run.nan_streak, "healthy_step": run.healthy_step,
              **({"monitor": run.monitor.state_dict()} if run.monitor else {})}
-    path = run.run_dir / "checkpoints" / f"global_step_{step}"
+    path, failed = run.run_dir / "checkpoints" / f"global_step_{step}", None
     if run.rank == 0:
-        path = save_checkpoint(run.run_dir, step, weights, optim, state, tokenizer=run.tok,
-                               keep=run.cfg.trainer.max_actor_ckpt_to_keep)
-    dist.barrier()
+        try:
+            path = save_checkpoint(run.run_dir, step, weights, optim, state, tokenizer=run.tok,
+                                   keep=run.cfg.trainer.max_actor_ckpt_to_keep)
+        except CheckpointWriteError as e:
+            failed = str(e)
+    failed = dist.broadcast_object(failed)  # every rank stops, none waits forever for rank 0
+    if failed:
+        raise TrainingStopped(f"{failed}; the previous checkpoint is untouched")
     return path
 
 
@@ -391,8 +403,13 @@ def end_step(run, step, metrics) -> bool:
             print(f"kl_monitor stopped the run at step {done} (check: {which}); checkpoint saved to {path}",
                   file=sys.stderr)
         return False
-    if (t.save_freq > 0 and done % t.save_freq == 0) or last:
+    preempted = run.preempt is not None and run.preempt.requested()  # the same answer on every rank
+    if (t.save_freq > 0 and done % t.save_freq == 0) or last or preempted:
         with timer(metrics, "save_checkpoint", run.device):
-            save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe)
+            path = save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe)
     run.tracker.log(metrics, step=done)
+    if preempted and not last:
+        _say(run, f"preempted ({run.preempt.signal or 'another rank was signalled'}): step {done} finished and "
+                  f"checkpoint saved to {path}; exiting. The same command resumes from it")
+        return False
     return True

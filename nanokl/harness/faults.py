@@ -1,0 +1,119 @@
+"""Faults a long run must survive: preemption signals, a full disk, and test-only fault injection.
+
+A run on shared GPUs is stopped by its scheduler, loses a rank, or fills its disk. What nanokl
+promises (the rest of the story is in nanokl/harness/checkpoint.py and run.py):
+
+Preemption. SLURM and Kubernetes send SIGTERM (SLURM's `--signal` often SIGUSR1) some time before
+SIGKILL. `catch_preemption` turns either signal into a flag instead of death; the run finishes the
+step it is in, writes a checkpoint, says so, and exits with status 0. Rerunning the same command
+resumes from that checkpoint (trainer.resume_mode=auto) and ends bit-identical to a run that was
+never stopped: no work is lost. Under torchrun the signal may reach the ranks at different
+moments, so after every step they agree on it with one all-reduce (max) of the flag: all stop
+after the same step, or none does. A second signal while the first is being honoured restores
+the default handler, so an impatient second Ctrl-C still kills.
+
+A crashed rank. torchrun --max-restarts=N restarts every process of the job when one dies; each
+resumes from the newest checkpoint that verifies. Work since that checkpoint is redone, and
+metrics.jsonl drops the rows logged after it (nanokl/harness/tracking.py).
+
+A full disk. A checkpoint is written only when the free space covers its estimated size
+(`checkpoint_bytes`: every tensor's bytes); a write that fails anyway (ENOSPC, a quota) removes its
+temporary directory, leaves the previous checkpoint untouched, and ends the run with one line
+naming the directory and the bytes it needed.
+
+Fault injection (tests only). NANOKL_FAULT="kind@step[:rank]" fires at the start of global step
+`step` on rank `rank` (default 0), only in the first attempt of a torchrun job (so a restarted
+job runs clean): `sigterm` / `sigusr1` send that signal to the process itself, `crash` ends it at
+once with os._exit(13), as an out-of-memory kill or a segfault would. Several faults: separate
+them with commas. tests/test_faults.py uses it.
+"""
+
+import contextlib
+import os
+import signal
+
+import torch
+
+from nanokl import dist
+
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1}
+
+
+class Preemption:
+    """Which preemption signal arrived (None: none yet)."""
+
+    def __init__(self):
+        self.signal = None
+
+    def requested(self) -> bool:
+        """Did any rank receive a signal? A collective under torchrun: every rank calls it after every step."""
+        mine = float(self.signal is not None)
+        return (dist.all_reduce(torch.tensor(mine), op="max").item() if dist.world() > 1 else mine) > 0
+
+
+@contextlib.contextmanager
+def catch_preemption():
+    """SIGTERM / SIGUSR1 -> a flag on the yielded Preemption, while the block runs; then the old handlers."""
+    flag = Preemption()
+
+    def handler(signum, frame):
+        if flag.signal is not None:  # the second one: the user means it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        flag.signal = signal.Signals(signum).name
+
+    try:
+        old = {s: signal.signal(s, handler) for s in SIGNALS.values()}
+    except ValueError:  # not the main thread (train_ppo.main called from a thread): no handlers to install
+        old = {}
+    try:
+        yield flag
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def parse_faults(spec: str) -> list[tuple[str, int, int]]:
+    """"sigterm@3,crash@5:1" -> [("sigterm", 3, 0), ("crash", 5, 1)]."""
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, where = part.partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in ("sigterm", "sigusr1", "crash") or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"NANOKL_FAULT: cannot read {part!r} (kind@step[:rank], kind sigterm|sigusr1|crash)")
+        out.append((kind, int(step), int(rank or 0)))
+    return out
+
+
+def inject(step: int, rank: int):
+    """Fire the faults NANOKL_FAULT schedules for this step and rank (test-only; a no-op when unset)."""
+    spec = os.environ.get("NANOKL_FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    for kind, at, who in parse_faults(spec):
+        if at == step and who == rank:
+            if kind == "crash":
+                os._exit(13)
+            os.kill(os.getpid(), getattr(signal, kind.upper()))
+
+
+def checkpoint_bytes(*trees) -> int:
+    """The bytes of the tensors in nested dicts / lists / tuples (modules: their state dicts), each
+    tensor once (tied weights share one): what a checkpoint of them writes, less the small headers
+    of safetensors and torch.save and the config and tokenizer files."""
+    total, seen = 0, set()
+    stack = list(trees)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.nn.Module):
+            x = x.state_dict()
+        if isinstance(x, torch.Tensor):
+            key = (x.device, x.data_ptr(), x.numel(), x.dtype) if x.numel() else id(x)
+            if key not in seen:
+                seen.add(key)
+                total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
