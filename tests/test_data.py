@@ -97,8 +97,22 @@ def test_parquet_rows(tmp_path):
     assert load_examples(tmp_path / "v.parquet") == VERL_EXPECTED
     rows[1]["reward_model"] = None
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
-    with pytest.raises(UserError, match=r"bad.parquet:row 1: field 'reward_model' must be dict, got NoneType"):
+    with pytest.raises(UserError, match=r"bad.parquet:row 1: missing field 'reward_model'"):  # null = absent
         load_examples(tmp_path / "bad.parquet")
+
+
+def test_parquet_nulls_are_absent_fields(tmp_path):
+    """A Parquet table has every column in every row (null where a row lacks it): a file mixing
+    chosen/rejected rows with responses/ranking rows reads as each row was written."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    from nanokl.supervised.preference_data import read_preferences
+    keys = ("prompt", "chosen", "rejected", "responses", "ranking")
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}, {"prompt": "2+2=", "responses": ["5", "4"],
+                                                               "ranking": [1, 0]}]
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), tmp_path / "mixed.parquet")
+    got = read_preferences(tmp_path / "mixed.parquet")
+    assert [(r["responses"], r["ranking"]) for r in got] == [(["2", "3"], [0, 1]), (["5", "4"], [1, 0])]
 
 
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):

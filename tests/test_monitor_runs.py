@@ -10,8 +10,15 @@ scripted streams; here the trainer's response to them is tested).
   rollback past max_rollbacks becomes a stop.
 - stop: the run ends with exit status 0 at the first step whose streak reaches the patience, with
   a checkpoint of that step and a message naming the check.
+
+Both run in this process and under torchrun with 2 gloo processes, with the same assertions: the
+checks read metrics reduced over all ranks, so every rank takes the same action at the same step,
+and the KL of exactly 0 after a rollback (a mean over both ranks' responses) shows that every rank
+reloaded the weights.
 """
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,12 +46,31 @@ def first_streak_end(rows, threshold=0.2, patience=2):
     return None
 
 
-def test_rollback_reloads_the_healthy_checkpoint_and_raises_beta(sft_dir, tmp_path, capfd):
-    train_ppo.main(["--config", str(ROOT / "configs" / "arith_tiny.yaml"), *BLOW_UP,
-                    f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={tmp_path}",
-                    "trainer.total_training_steps=12", "trainer.save_freq=-1", "trainer.kl_monitor.kl_stop_action=rollback",
-                    "trainer.kl_monitor.max_rollbacks=1", "trainer.kl_monitor.rollback_min_beta=0.01"])
-    err = capfd.readouterr().err
+def blow_up(nproc, sft_dir, tmp_path, capfd, *extra):
+    """(exit status, stderr) of the blow-up run: the CLI in this process, or torchrun with `nproc`."""
+    argv = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), *BLOW_UP, f"actor_rollout_ref.model.path={sft_dir}",
+            f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=12", *extra]
+    if nproc > 1:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={nproc}", str(ROOT / "train_ppo.py"), *argv], capture_output=True,
+                              text=True, cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return proc.returncode, proc.stderr
+    capfd.readouterr()
+    old, sys.argv = sys.argv, ["train_ppo.py", *argv]
+    try:
+        with pytest.raises(SystemExit) as exit_info:  # the command line's own exit path
+            train_ppo.cli()
+    finally:
+        sys.argv = old
+    return exit_info.value.code, capfd.readouterr().err
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_rollback_reloads_the_healthy_checkpoint_and_raises_beta(sft_dir, tmp_path, capfd, nproc):
+    code, err = blow_up(nproc, sft_dir, tmp_path, capfd, "trainer.save_freq=-1",
+                        "trainer.kl_monitor.kl_stop_action=rollback", "trainer.kl_monitor.max_rollbacks=1",
+                        "trainer.kl_monitor.rollback_min_beta=0.01")
+    assert code == 0, err[-3000:]
     rows = [r for r in read_metrics(tmp_path) if "actor/reward_kl_penalty" in r]
     fired = first_streak_end(rows)
     assert fired is not None, "the blow-up run never crossed kl_stop twice in a row"
@@ -61,16 +87,12 @@ def test_rollback_reloads_the_healthy_checkpoint_and_raises_beta(sft_dir, tmp_pa
     assert rows[-1]["monitor/health"] == "stop" and "max_rollbacks" in err
 
 
-def test_stop_ends_cleanly_with_a_checkpoint_and_says_why(sft_dir, tmp_path, monkeypatch, capfd):
-    monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--config", str(ROOT / "configs" / "arith_tiny.yaml"), *BLOW_UP,
-                                      f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={tmp_path}",
-                                      "trainer.total_training_steps=12", "trainer.save_freq=2",
-                                      "trainer.kl_monitor.kl_stop_action=stop"])
-    with pytest.raises(SystemExit) as exit_info:  # the command line's own exit path
-        train_ppo.cli()
-    assert exit_info.value.code == 0
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_stop_ends_cleanly_with_a_checkpoint_and_says_why(sft_dir, tmp_path, capfd, nproc):
+    code, err = blow_up(nproc, sft_dir, tmp_path, capfd, "trainer.save_freq=2", "trainer.kl_monitor.kl_stop_action=stop")
+    assert code == 0, err[-3000:]
     rows = [r for r in read_metrics(tmp_path) if "actor/reward_kl_penalty" in r]
     fired = first_streak_end(rows)
     assert fired is not None and rows[-1]["training/global_step"] == fired  # not a step before, none after
     assert latest_checkpoint(tmp_path).name == f"global_step_{fired}"
-    assert f"kl_monitor stopped the run at step {fired} (check: kl_stop)" in capfd.readouterr().err
+    assert f"kl_monitor stopped the run at step {fired} (check: kl_stop)" in err

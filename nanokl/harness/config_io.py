@@ -85,6 +85,23 @@ def run_cli(main, *args, **kwargs):
 # 1. YAML files, their line numbers, and the `defaults:` chain
 # ---------------------------------------------------------------------------------------------
 
+class _SafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader whose every failure is a YAMLError with a line. PyYAML's own constructors raise
+    ValueError, KeyError and the like for a scalar that resolves to a type it does not hold:
+    `2024-13-45` is a date to YAML 1.1, `!!bool maybe`, an int of more digits than Python converts."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (yaml.YAMLError, RecursionError):
+            raise
+        except Exception as e:
+            value = node.value if isinstance(node.value, str) else ""
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {value[:40]!r} as {node.tag.rsplit(':', 1)[-1]} ({e})",
+                node.start_mark) from None
+
+
 def read_yaml(path: str) -> tuple[dict, dict]:
     """One YAML file -> (data, origins), origins mapping each dotted key to 'path:line'."""
     try:
@@ -92,14 +109,19 @@ def read_yaml(path: str) -> tuple[dict, dict]:
             text = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # e.object is the whole file: read() decodes it in one piece
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"not UTF-8 text (byte {e.object[e.start]:#04x})", where=f"{path}:{line}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_SafeLoader)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"YAML syntax error: {problem}", where=where) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError("YAML nested too deeply", where=path) from None
     if data is None:
         return {}, {}
     if not isinstance(data, dict):
@@ -110,9 +132,12 @@ def read_yaml(path: str) -> tuple[dict, dict]:
     return data, origins
 
 
-def _record_key_lines(node, prefix: str, path: str, origins: dict) -> None:
+def _record_key_lines(node, prefix: str, path: str, origins: dict, _inside: tuple = ()) -> None:
     if not isinstance(node, yaml.MappingNode):
         return
+    if any(node is n for n in _inside):  # an alias to an enclosing mapping (`a: &x {b: *x}`) never ends
+        raise ConfigError(f"'{prefix.rstrip('.')}' contains itself (a recursive YAML alias)",
+                          where=f"{path}:{node.start_mark.line + 1}")
     for key_node, value_node in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # YAML `<<: *anchor`; its keys live elsewhere
             continue
@@ -122,7 +147,7 @@ def _record_key_lines(node, prefix: str, path: str, origins: dict) -> None:
                               f"'{prefix.rstrip('.') or '<top>'}'", where=f"{path}:{line}")
         key = prefix + key_node.value
         origins[key] = f"{path}:{line}"
-        _record_key_lines(value_node, key + ".", path, origins)
+        _record_key_lines(value_node, key + ".", path, origins, _inside + (node,))
 
 
 def load_yaml_chain(path: str, _stack: tuple = ()) -> tuple[dict, dict]:
@@ -133,7 +158,7 @@ def load_yaml_chain(path: str, _stack: tuple = ()) -> tuple[dict, dict]:
     data, origins = read_yaml(path)
     defaults = data.pop("defaults", None) or []
     where = origins.pop("defaults", path)
-    if not isinstance(defaults, list) or not all(isinstance(d, str) for d in defaults):
+    if not isinstance(defaults, list) or not all(isinstance(d, str) and "\0" not in d for d in defaults):
         raise ConfigError(f"'defaults' must be a list of file paths, got {defaults!r}", where=where)
     stack = _stack + ((os.path.realpath(path), path),)
     merged, merged_origins = {}, {}
@@ -180,8 +205,8 @@ def parse_override(arg: str) -> tuple[list[str], Any]:
         raise ConfigError(f"bad override {arg!r}: expected key.sub=value, "
                           f"e.g. algorithm.kl_ctrl.target_kl=0.03")
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as e:
+        value = yaml.load(text, Loader=_SafeLoader)
+    except (yaml.YAMLError, RecursionError) as e:
         problem = getattr(e, "problem", None) or "not valid YAML"
         raise ConfigError(f"bad override {arg!r}: cannot parse the value {text!r} ({problem})") from None
     return parts, value
@@ -200,11 +225,14 @@ def apply_override(tree: dict, origins: dict, arg: str) -> None:
     merge_into(tree, origins, layer, layer_origins)
 
 
-def _record_dict_keys(d: dict, prefix: str, where: str, out: dict) -> None:
+def _record_dict_keys(d: dict, prefix: str, where: str, out: dict, _inside: tuple = ()) -> None:
+    if any(d is e for e in _inside):  # `x=&r {a: *r}`: a mapping inside itself
+        raise ConfigError(f"bad override: '{prefix.rstrip('.')}' contains itself (a recursive YAML alias)",
+                          where=where)
     for k, v in d.items():
         out[prefix + str(k)] = where
         if isinstance(v, dict):
-            _record_dict_keys(v, prefix + str(k) + ".", where, out)
+            _record_dict_keys(v, prefix + str(k) + ".", where, out, _inside + (d,))
 
 
 # ---------------------------------------------------------------------------------------------

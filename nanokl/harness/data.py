@@ -34,6 +34,7 @@ step; templated prompts round-trip through the tokenizer; filter_overlong keeps 
 import functools
 import json
 import random
+import re
 from pathlib import Path
 
 from nanokl.harness.config_io import UserError
@@ -99,18 +100,30 @@ def read_rows(path: Path):
                             "or convert the file to JSONL") from None
         try:
             rows = pq.read_table(path).to_pylist()
-        except Exception as e:  # pyarrow raises several types for a corrupt file
-            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-        yield from ((f"{path}:row {i}", row) for i, row in enumerate(rows))
+        except Exception as e:  # pyarrow raises several types for a corrupt file, some with messages of many lines
+            why = " ".join(f"{type(e).__name__}: {e}".split())
+            raise DataError(f"{path}: not a readable Parquet file ({why})") from None
+        # a Parquet table has every column in every row, null where a row has no such field: a null is
+        # an absent field (else a file mixing chosen/rejected rows with responses rows reads as both)
+        yield from ((f"{path}:row {i}", {k: v for k, v in row.items() if v is not None} if isinstance(row, dict) else row)
+                    for i, row in enumerate(rows))
     elif suffix in (".jsonl", ".json"):
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            try:
+                text = f.read()
+            except UnicodeDecodeError as e:  # e.object is the whole file: read() decodes it in one piece
+                line = e.object[:e.start].count(b"\n") + 1
+                raise DataError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x})") from None
         if suffix == ".json" and text.lstrip().startswith("["):  # a .json file may hold one array
             try:
                 rows = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{e.lineno}: bad JSON ({e.msg})") from None
-            yield from ((f"{path}:row {i}", row) for i, row in enumerate(rows))
+            except (ValueError, RecursionError) as e:
+                raise DataError(f"{path}: bad JSON ({_json_problem(e)})") from None
+            escaped = _SURROGATE_ESCAPE.search(text) is not None
+            yield from ((f"{path}:row {i}", _text_only(row, f"{path}:row {i}") if escaped else row)
+                        for i, row in enumerate(rows))
             return
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -119,9 +132,32 @@ def read_rows(path: Path):
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno})") from None
-            yield f"{path}:{lineno}", row
+            except (ValueError, RecursionError) as e:
+                raise DataError(f"{path}:{lineno}: bad JSON ({_json_problem(e)})") from None
+            yield f"{path}:{lineno}", _text_only(row, f"{path}:{lineno}") if _SURROGATE_ESCAPE.search(line) else row
     else:
         raise UserError(f"{path}: unknown data file type {suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def _json_problem(e: Exception) -> str:
+    # json.loads also raises ValueError for an int of more digits than Python converts (4300), and
+    # RecursionError for arrays or objects nested thousands deep
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
+# JSON's \ud800..\udfff escapes: a pair is one character, a lone one decodes to a surrogate, which is
+# not text (the tokenizer refuses it long after loading). Only rows with such an escape are checked.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _text_only(row, where: str):
+    """`row`, or a DataError if a string in it holds a lone UTF-16 surrogate."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(f"{where}: a string holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape), "
+                        "which is not text") from None
+    return row
 
 
 def read_examples(path_or_paths, to_example) -> list[dict]:

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanokl.harness.config_io import UserError
@@ -61,6 +62,21 @@ def read_config(path) -> tuple[dict, str]:
         hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8 text; nested thousands deep
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({type(e).__name__})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
+    try:
+        kw, head = _config_kwargs(hf, cfg_file)
+        rope_inv_freq(ModelConfig(**kw))  # ModelConfig's checks and the RoPE variant's, here where the file is known
+    except (TypeError, ValueError, LookupError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        # a field of the wrong type or an impossible value (4 heads over 3 key/value heads, rope_type "dgfault")
+        raise CheckpointError(f"{cfg_file}: bad model configuration ({type(e).__name__}: {e})") from None
+    return kw, head
+
+
+def _config_kwargs(hf: dict, cfg_file) -> tuple[dict, str]:
+    """config.json's fields -> (ModelConfig keyword arguments, head kind)."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
     head = "lm"
@@ -149,12 +165,18 @@ def load_tensors(path, device="cpu") -> dict[str, torch.Tensor]:
     if single.is_file():
         files = [single]
     elif index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, LookupError, TypeError, AttributeError, RecursionError) as e:
+            raise CheckpointError(f"{index}: not a readable safetensors index ({type(e).__name__})") from None
     else:
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
     tensors = {}
     for f in files:
-        tensors.update(load_file(f, device=str(device)))
+        try:
+            tensors.update(load_file(f, device=str(device)))
+        except (SafetensorError, OSError) as e:  # a truncated file, a bit flip in its header, a missing shard
+            raise CheckpointError(f"{f}: not a readable safetensors file ({' '.join(str(e).split())})") from None
     return tensors
 
 

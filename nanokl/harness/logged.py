@@ -53,6 +53,13 @@ def _strings(value, what, where):
     return value
 
 
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond every float: JSON writes ints of any length
+        return False
+
+
 def parse_row(obj, where: str) -> dict:
     """One logged row -> {"prompt", "responses", "ranking" or None, "ended", "logprobs" or None, ...}."""
     if not isinstance(obj, dict):
@@ -77,8 +84,9 @@ def parse_row(obj, where: str) -> dict:
         responses, ranking = _strings(obj["responses"], "field 'responses'", where), obj.get("ranking")
         if not responses:
             raise DataError(f"{where}: no response: 'responses' is empty")
-        if ranking is not None and (not isinstance(ranking, list) or sorted(ranking) != list(range(len(responses)))
-                                    or not all(type(i) is int for i in ranking)):
+        # ints checked before sorting: sorted([0, "1"]) raises
+        if ranking is not None and (not isinstance(ranking, list) or not all(type(i) is int for i in ranking)
+                                    or sorted(ranking) != list(range(len(responses)))):
             raise DataError(f"{where}: 'ranking' {ranking} is not a permutation of the {len(responses)} response "
                             f"indices 0..{len(responses) - 1} (best first, each once)")
     K = len(responses)
@@ -93,7 +101,7 @@ def parse_row(obj, where: str) -> dict:
             if not isinstance(lp, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                    for v in lp):
                 raise DataError(f"{where}: logprobs[{k}] must be a list of numbers")
-            bad = next((j for j, v in enumerate(lp) if not math.isfinite(v)), None)
+            bad = next((j for j, v in enumerate(lp) if not _finite(v)), None)
             if bad is not None:
                 raise DataError(f"{where}: logprobs[{k}][{bad}] is {lp[bad]}, not a finite log-prob")
     reward = obj.get("reward_model") if isinstance(obj.get("reward_model"), dict) else {}

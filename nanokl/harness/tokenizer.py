@@ -128,17 +128,41 @@ def load_tokenizer(path) -> Tokenizer:
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise UserError(f"{path}: no tokenizer.json (nanokl reads fast-tokenizer files only)")
-    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
-    tcfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
-    gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").is_file() else {}
-    eos = _token_str(tcfg.get("eos_token"))
+    try:
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # the Rust parser's one error type, for a damaged file or a foreign one
+        raise UserError(f"{path / 'tokenizer.json'}: not a readable tokenizer ({' '.join(str(e).split())})") from None
+    tcfg, gen = _json_object(path / "tokenizer_config.json"), _json_object(path / "generation_config.json")
+    eos, pad = _token_str(tcfg.get("eos_token")), _token_str(tcfg.get("pad_token"))
     extra = gen.get("eos_token_id", [])
-    extra = [extra] if isinstance(extra, int) else list(extra)
+    extra = [extra] if isinstance(extra, int) else extra
+    if not (isinstance(extra, list) and all(type(i) is int for i in extra)
+            and all(t is None or isinstance(t, str) for t in (eos, pad))):
+        raise UserError(f"{path}: eos_token and pad_token (tokenizer_config.json) must be strings, and eos_token_id "
+                        "(generation_config.json) a token id or a list of them")
     if eos is None:
         if not extra:
             raise UserError(f"{path}: no eos_token in tokenizer_config.json nor eos_token_id in generation_config.json")
         eos = tok.id_to_token(extra[0])
-    return Tokenizer(tok, eos, _token_str(tcfg.get("pad_token")), extra)
+        if eos is None:
+            raise UserError(f"{path}: eos_token_id {extra[0]} (generation_config.json) is not in the vocabulary")
+    try:
+        return Tokenizer(tok, eos, pad, extra)
+    except UserError as e:  # a special token the vocabulary lacks: say which directory's
+        raise UserError(f"{path}: {e}") from None
+
+
+def _json_object(file: Path) -> dict:
+    """A JSON object from `file`, {} when there is no such file."""
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # bad JSON, or not UTF-8 text
+        raise UserError(f"{file}: not valid JSON ({type(e).__name__})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def train_tokenizer(texts, vocab_size=512, eos_token="<|endoftext|>", pad_token="<|pad|>",
