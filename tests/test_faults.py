@@ -1,5 +1,6 @@
 """Faults injected into real runs of train_ppo.py, each against the same run left alone.
 
+- SIGKILL between checkpoints: the rerun redoes the steps since the last one and ends equal.
 - preemption: SIGTERM or SIGUSR1 in the middle of step k. The run finishes that step, checkpoints
   it, says so and exits 0; the same command then resumes and ends with the uninterrupted run's
   weights, beta and metrics.jsonl rows, bit for bit (timings aside). No step is redone.
@@ -82,6 +83,7 @@ def same_run(a, b):
 
 def test_parse_faults():
     assert parse_faults("sigterm@3, crash@5:1,") == [("sigterm", 3, 0), ("crash", 5, 1)]
+    assert parse_faults("sigkill@0") == [("sigkill", 0, 0)]
     for bad in ("boom@1", "crash@x", "crash@1:r", "sigterm"):
         with pytest.raises(ValueError, match="NANOKL_FAULT"):
             parse_faults(bad)
@@ -107,6 +109,17 @@ def test_preemption_finishes_the_step_checkpoints_and_exits_0(sft_dir, straight,
     again = launch(args(sft_dir, tmp_path))  # the same command
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {ckpt} at step 2" in again.stderr  # nothing lost, nothing redone
+    same_run(straight, tmp_path)
+
+
+def test_sigkill_between_checkpoints_loses_only_the_steps_since_the_last(sft_dir, straight, tmp_path):
+    killed = launch(args(sft_dir, tmp_path), fault="sigkill@4")  # after step 4 was logged, checkpoint 3
+    assert killed.returncode == -9
+    assert [r["training/global_step"] for r in rows(tmp_path)] == [0, 1, 2, 3, 4]
+    again = launch(args(sft_dir, tmp_path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints' / 'global_step_3'} at step 3" in again.stderr
+    assert "dropped 1 row(s)" in again.stderr  # step 4, redone
     same_run(straight, tmp_path)
 
 

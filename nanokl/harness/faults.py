@@ -23,8 +23,8 @@ naming the directory and the bytes it needed.
 
 Fault injection (tests only). NANOKL_FAULT="kind@step[:rank]" fires at the start of global step
 `step` on rank `rank` (default 0), only in the first attempt of a torchrun job (so a restarted
-job runs clean): `sigterm` / `sigusr1` send that signal to the process itself, `crash` ends it at
-once with os._exit(13), as an out-of-memory kill or a segfault would. Several faults: separate
+job runs clean): `sigterm` / `sigusr1` / `sigkill` send that signal to the process itself, `crash`
+ends it at once with os._exit(13), as a segfault would. Several faults: separate
 them with commas. tests/test_faults.py uses it.
 """
 
@@ -79,8 +79,8 @@ def parse_faults(spec: str) -> list[tuple[str, int, int]]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         kind, _, where = part.partition("@")
         step, _, rank = where.partition(":")
-        if kind not in ("sigterm", "sigusr1", "crash") or not step.isdigit() or (rank and not rank.isdigit()):
-            raise ValueError(f"NANOKL_FAULT: cannot read {part!r} (kind@step[:rank], kind sigterm|sigusr1|crash)")
+        if kind not in ("sigterm", "sigusr1", "sigkill", "crash") or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"NANOKL_FAULT: cannot read {part!r} (kind@step[:rank], kind sigterm|sigusr1|sigkill|crash)")
         out.append((kind, int(step), int(rank or 0)))
     return out
 
