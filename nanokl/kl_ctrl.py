@@ -39,6 +39,17 @@ state, not configuration: the KL monitor's rollback raises both (nanokl/harness/
 both are saved in every checkpoint with `state_dict()` and restored with `load_state_dict()`,
 so a resumed run continues with the coefficients it had, not the ones the config started from.
 
+A target that changes: a schedule
+---------------------------------
+`target_kl` may also be a schedule, a list of [fraction of training, target] points starting at
+fraction 0, read piecewise constant ("step": each target holds until the next point) or linearly
+interpolated ("linear"). The KL-tuning article recommends a loose target early (0.1, "to
+encourage learning": a small β lets the policy find what is rewarded) and a tight one later
+(0.03, "to lock convergence": the late policy may only refine, not wander) — its claim, not a
+measurement; README.md shows what it did on the arithmetic task. The trainer calls
+`follow(fraction)` before each step; `scale` multiplies the scheduled target (the KL monitor's
+"lower target_kl" remedy changes it, nanokl/harness/monitor.py) and is saved with β.
+
 Mirrors verl's `AdaptiveKLController`, `FixedKLController` and `get_kl_controller`
 (verl/trainer/ppo/core_algos.py). Where nanokl differs from verl: β must stay positive. verl
 accepts any coefficient and any horizon; here an adaptive β must start > 0 (a multiplicative
@@ -57,8 +68,24 @@ controller produces the same future trajectory; bad configs raise ValueError.
 """
 
 
+def target_at(schedule, fraction: float, interp: str = "step") -> float:
+    """The target KL at `fraction` (0..1) of training: `schedule` is a number, or [[f0=0, t0],
+    [f1, t1], ...] with f ascending; "step" holds each t_i on [f_i, f_i+1), "linear" interpolates
+    between the points (and holds the last one)."""
+    if isinstance(schedule, (int, float)):
+        return float(schedule)
+    points = [(float(f), float(t)) for f, t in schedule]
+    if interp == "step":
+        return next(t for f, t in reversed(points) if fraction >= f)
+    for (f0, t0), (f1, t1) in zip(points, points[1:]):
+        if fraction < f1:
+            return t0 + (t1 - t0) * (fraction - f0) / (f1 - f0)
+    return points[-1][1]
+
+
 class FixedKLController:
     """β stays at kl_coef; `update` is a no-op so the training loop needs no special case."""
+    kind = "fixed"
 
     def __init__(self, kl_coef: float):
         if kl_coef < 0:
@@ -68,27 +95,38 @@ class FixedKLController:
     def update(self, current_kl, n_steps) -> None:
         pass
 
+    def follow(self, fraction: float) -> None:
+        pass
+
     def state_dict(self) -> dict:
-        return {"value": float(self.value)}
+        return {"value": float(self.value), "type": self.kind}
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
 
 
 class AdaptiveKLController:
-    """Proportional controller of Ziegler et al. 2019; `value` is the current β."""
+    """Proportional controller of Ziegler et al. 2019; `value` is the current β, `target` the KL it
+    steers toward (scale * the schedule's target at the fraction of training last followed)."""
+    kind = "adaptive"
 
-    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
+    def __init__(self, init_kl_coef: float, target_kl, horizon: float, interp: str = "step"):
         if init_kl_coef <= 0:
             # A multiplicative update can never move β away from zero.
             raise ValueError(f"adaptive init_kl_coef must be > 0, got {init_kl_coef}")
-        if target_kl <= 0:
+        targets = [target_kl] if isinstance(target_kl, (int, float)) else [t for _, t in target_kl]
+        if not targets or min(targets) <= 0:
             raise ValueError(f"adaptive target_kl must be > 0, got {target_kl}")
         if horizon <= 0:
             raise ValueError(f"adaptive horizon must be > 0, got {horizon}")
         self.value = float(init_kl_coef)
-        self.target = float(target_kl)
+        self.schedule, self.interp, self.scale = target_kl, interp, 1.0
+        self.target = target_at(target_kl, 0.0, interp)
         self.horizon = float(horizon)
+
+    def follow(self, fraction: float) -> None:
+        """Set the target for the step at `fraction` (0..1) of training."""
+        self.target = self.scale * target_at(self.schedule, fraction, self.interp)
 
     def update(self, current_kl, n_steps) -> None:
         """current_kl: batch mean of per-response mean token KL; n_steps: #responses."""
@@ -102,10 +140,12 @@ class AdaptiveKLController:
         self.value *= mult
 
     def state_dict(self) -> dict:
-        return {"value": float(self.value)}
+        return {"value": float(self.value), "type": self.kind, "scale": self.scale, "target": self.target}
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+        self.scale = float(state.get("scale", 1.0))
+        self.target = float(state.get("target", self.target))
 
 
 def make_kl_controller(kl_ctrl_cfg):
@@ -115,5 +155,6 @@ def make_kl_controller(kl_ctrl_cfg):
     if kind == "fixed":
         return FixedKLController(kl_ctrl_cfg.kl_coef)
     if kind == "adaptive":
-        return AdaptiveKLController(kl_ctrl_cfg.kl_coef, kl_ctrl_cfg.target_kl, kl_ctrl_cfg.horizon)
+        return AdaptiveKLController(kl_ctrl_cfg.kl_coef, kl_ctrl_cfg.target_kl, kl_ctrl_cfg.horizon,
+                                    getattr(kl_ctrl_cfg, "target_kl_interp", "step"))
     raise ValueError(f"unknown kl_ctrl.type {kind!r}; valid types are 'fixed', 'adaptive'")

@@ -56,7 +56,7 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
     ("critic.loss_agg_mode=sum", "critic.loss_agg_mode must be one of token-mean"),
     ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.strategy must be one of none, ddp, fsdp2"),
     ("trainer.logger=[console,wandbb]", "trainer.logger[1] must be one of console, jsonl, tensorboard, wandb"),
-    ("trainer.kl_monitor.kl_stop_action=panic", "trainer.kl_monitor.kl_stop_action must be one of warn, stop, rollback"),
+    ("trainer.kl_monitor.kl_stop_action=panic", "trainer.kl_monitor.kl_stop_action must be one of warn, adjust, stop, rollback"),
     ("reward_model.train.loss=listnet", "reward_model.train.loss must be one of bt, pl"),
     ("data.truncation=middle", "data.truncation must be one of error, left, right"),
     ("algorithm.rollout_correction.bypass_mode=sometimes",

@@ -65,7 +65,7 @@ def test_state_round_trip_continues_same_trajectory():
     for kl in (0.3, 0.05, 0.2):
         a.update(kl, 64)
     state = a.state_dict()
-    assert all(type(v) is float for v in state.values())
+    assert all(type(v) is float for k, v in state.items() if k != "type") and state["type"] == "adaptive"
     state = json.loads(json.dumps(state))  # plain data: survives any serialization
     b = make_kl_controller(cfg())
     assert b.value != a.value
@@ -104,3 +104,42 @@ def test_refuses_sign_flip():
     assert ctrl.value == pytest.approx(0.05 * 0.02)
     with pytest.raises(ValueError):
         ctrl.update(0.0, 50)
+
+
+def test_target_schedule_gives_the_right_target_at_every_step():
+    """[[0, 0.1], [0.5, 0.03]] over 10 steps (fraction = step / 10), written out by hand."""
+    from nanokl.kl_ctrl import target_at
+    schedule = [[0, 0.1], [0.5, 0.03]]
+    step_wise = [target_at(schedule, s / 10, "step") for s in range(10)]
+    assert step_wise == [0.1] * 5 + [0.03] * 5
+    linear = [target_at([[0, 0.1], [0.5, 0.03], [1.0, 0.03]], s / 10, "linear") for s in range(11)]
+    assert linear == pytest.approx([0.1, 0.086, 0.072, 0.058, 0.044, 0.03, 0.03, 0.03, 0.03, 0.03, 0.03], abs=1e-15)
+    assert target_at(0.07, 0.9) == 0.07
+    assert target_at([[0, 0.2], [0.25, 0.1], [0.75, 0.05]], 0.75) == 0.05  # a point starts its piece
+    ctrl = make_kl_controller(cfg(target_kl=schedule, target_kl_interp="step"))
+    seen = []
+    for s in range(10):
+        ctrl.follow(s / 10)
+        seen.append(ctrl.target)
+        ctrl.update(0.05, 64)
+    assert seen == step_wise
+    # the monitor's "target_kl x 0.7" scales the schedule; the scale survives a state round trip
+    ctrl.scale = 0.7
+    ctrl.follow(0.2)
+    assert ctrl.target == pytest.approx(0.07)
+    other = make_kl_controller(cfg(target_kl=schedule, target_kl_interp="step"))
+    other.load_state_dict(json.loads(json.dumps(ctrl.state_dict())))
+    other.follow(0.9)
+    assert other.target == pytest.approx(0.7 * 0.03) and other.value == ctrl.value
+
+
+def test_the_controller_steers_toward_the_scheduled_target():
+    """Toy closed loop KL = c / beta: in each phase beta settles where c / beta is that phase's target."""
+    c = 0.005
+    ctrl = make_kl_controller(cfg(kl_coef=0.05, target_kl=[[0, 0.1], [0.5, 0.03]], horizon=640))
+    last = {}
+    for s in range(800):
+        ctrl.follow(s / 800)
+        ctrl.update(c / ctrl.value, 64)
+        last[ctrl.target] = c / ctrl.value
+    assert last[0.1] == pytest.approx(0.1, rel=0.05) and last[0.03] == pytest.approx(0.03, rel=0.05)

@@ -94,7 +94,8 @@ def test_a_healthy_stream_fires_nothing():
     assert run(mon, [HEALTHY] * 20) == [([], "ok")] * 20
     assert mon.metrics() == {"monitor/healthy": 1.0, "monitor/kl_band_fired": 0.0, "monitor/kl_var_fired": 0.0,
                              "monitor/entropy_fired": 0.0, "monitor/reward_var_fired": 0.0,
-                             "monitor/kl_stop_fired": 0.0, "monitor/kl_band_violations": 0.0,
+                             "monitor/collapse_fired": 0.0, "monitor/kl_stop_fired": 0.0,
+                             "monitor/kl_band_violations": 0.0,
                              "monitor/kl_over_stop_streak": 0.0, "monitor/rollbacks": 0.0}
     assert mon.rollback_safe
 
@@ -182,7 +183,8 @@ def test_nan_fails_every_check_it_enters_and_counts_toward_stopping():
     mon = KLMonitor(cfg(kl_stop_patience=2))
     nan = math.nan
     assert run(mon, [{KL: nan, KL_VAR: nan, ENT: nan, RVAR: nan}]) == \
-        [([("entropy", "warn"), ("kl_band", "warn"), ("kl_var", "warn"), ("reward_var", "warn")], "warn")]
+        [([("collapse", "warn"), ("entropy", "warn"), ("kl_band", "warn"), ("kl_var", "warn"), ("reward_var", "warn")],
+          "warn")]
     assert mon.kl_over_stop_streak == 1
     assert run(mon, [{KL: nan}], first_step=2) == [([("kl_band", "warn"), ("kl_stop", "stop")], "stop")]
 
@@ -223,3 +225,118 @@ def test_kl_below_the_band_warns_instead_of_rolling_back():
     mon = KLMonitor(cfg(kl_band_action="rollback"))
     assert run(mon, [{KL: 0.0}, {KL: 0.05}, {KL: 0.09}]) == [
         ([("kl_band", "warn")], "warn"), ([], "ok"), ([("kl_band", "rollback")], "rollback")]
+
+
+# ---------------------------------------------------------------------------------------------
+# adjust: the remedies, with cooldowns and limits; each change written out by hand
+
+from nanokl.harness.config import AdjustRule  # noqa: E402
+
+SCORE, EV = "critic/score/mean", "critic/vf_explained_var"
+
+
+def drive(monitor, stream, knobs, first_step=1):
+    """Feed steps like the trainer: check with the current knobs, then apply the changes.
+    Returns per step the (knob, old, new) changes and the actions of the events."""
+    out = []
+    for step, m in enumerate(stream, first_step):
+        events = monitor.check(step, m, knobs)
+        for e in events:
+            if e.change:
+                knobs[e.change[0]] = e.change[2]
+        out.append(([e.change for e in events if e.change], sorted((e.check, e.action) for e in events)))
+    return out
+
+
+def test_kl_high_multiplies_kl_coef_once_per_cooldown_up_to_its_limit():
+    mon = KLMonitor(cfg(kl_band_action="adjust", kl_high_adjust=AdjustRule("kl_coef", factor=1.5, limit=0.2,
+                                                                            cooldown=3)))
+    knobs = {"kl_coef": 0.05}
+    got = drive(mon, [{KL: 0.12}] * 14, knobs)
+    changes = {step: c[0] for step, (c, _) in enumerate(got, 1) if c}
+    assert changes == {1: ("kl_coef", 0.05, 0.05 * 1.5), 4: ("kl_coef", 0.05 * 1.5, 0.05 * 1.5 * 1.5),
+                       7: ("kl_coef", 0.05 * 1.5 * 1.5, 0.05 * 1.5 ** 3), 10: ("kl_coef", 0.05 * 1.5 ** 3, 0.2)}
+    assert knobs["kl_coef"] == 0.2  # 0.253 capped at the limit; step 13 finds it there and only warns
+    assert [actions for _, actions in got] == [[("kl_band", "adjust" if s in changes else "warn")] for s in range(1, 15)]
+    assert mon.state_dict()["adjusted"] == {"kl_coef": 0.2} and mon.last_adjusted == {"kl_coef": 10}
+    mon.check(15, {KL: 0.12}, {"kl_coef": 0.2})
+    assert "kl_coef stays at 0.2" in mon.check(16, {KL: 0.12}, {"kl_coef": 0.2})[0].message
+
+
+def test_kl_low_lowers_target_kl_only_while_the_score_rises():
+    mon = KLMonitor(cfg(kl_band_action="adjust", score_window=2,
+                        kl_low_adjust=AdjustRule("target_kl", factor=0.7, limit=0.02, cooldown=2)))
+    scores = [0.1, 0.1, 0.1, 0.1, 0.2, 0.3, 0.3, 0.3, 0.3, 0.5, 0.6]
+    #         1    2    3    4    5    6    7    8    9    10   11
+    # rising (mean of the last 2 > mean of the 2 before) at steps 5, 6, 7, 10, 11; never before 4 scores
+    knobs = {"target_kl": 0.05}
+    got = drive(mon, [{KL: 0.01, SCORE: s} for s in scores], knobs)
+    changes = {step: c[0] for step, (c, _) in enumerate(got, 1) if c}
+    # 5: 0.05 -> 0.035; 6: cooling down; 7: 0.035 -> 0.0245; 10: 0.0245 * 0.7 = 0.01715 -> the limit 0.02;
+    # 11: cooling down
+    assert changes == {5: ("target_kl", 0.05, 0.05 * 0.7), 7: ("target_kl", 0.05 * 0.7, 0.05 * 0.7 * 0.7),
+                       10: ("target_kl", 0.05 * 0.7 * 0.7, 0.02)}
+    assert mon.rising() is True
+    events = KLMonitor(cfg(kl_band_action="adjust")).check(1, {KL: 0.01, SCORE: 0.1}, {"target_kl": 0.05})
+    assert events[0].action == "warn" and "score is not rising" in events[0].message
+
+
+def test_kl_var_switches_the_kl_type_once_and_entropy_sets_the_bonus():
+    mon = KLMonitor(cfg(kl_var_action="adjust", entropy_action="adjust"))
+    knobs = {"kl_type": "kl", "entropy_coeff": 0.0}
+    stream = [{**HEALTHY, KL_VAR: 0.2}, HEALTHY, {**HEALTHY, KL_VAR: 0.3, ENT: 0.1}, {**HEALTHY, KL_VAR: 0.3}]
+    got = drive(mon, stream, knobs)
+    assert [c for c, _ in got] == [[("kl_type", "kl", "low_var_kl+")], [], [("entropy_coeff", 0.0, 0.01)], []]
+    assert got[2][1] == [("entropy", "adjust"), ("kl_var", "warn")]  # already low_var_kl+: nothing to switch
+    assert knobs == {"kl_type": "low_var_kl+", "entropy_coeff": 0.01}
+    mon.check(13, {**HEALTHY, ENT: 0.05}, {"kl_type": "low_var_kl+", "entropy_coeff": 0.0})  # cooldown 10 over
+    assert mon.metrics()["monitor/adjust/entropy_coeff"] == 0.01  # logged on the step of the change
+
+
+def test_collapse_and_critic_checks_fire_where_their_metrics_cross():
+    stream = [(0.1, 0.05), (0.16, 0.2), (0.16, 0.099), (0.15, 0.01), (0.3, 0.1), (0.3, 0.0)]
+    #          1            2            3              4             5            6
+    # collapse: KL > 0.15 and entropy < 0.1 -> steps 3 and 6 (0.15 is not above, 0.1 is not below)
+    mon = KLMonitor(cfg(kl_high=1.0, kl_stop=5.0))
+    assert fire_steps(mon, [{KL: k, ENT: e} for k, e in stream], "collapse") == [3, 6]
+    # critic: explained variance below 0.2 (strictly), NaN fails
+    mon = KLMonitor(cfg())
+    assert fire_steps(mon, [{EV: v} for v in [0.5, 0.2, 0.1999, -1.0, math.nan, 0.9]], "critic") == [3, 4, 5]
+
+
+def test_collapse_adjust_and_kl_high_adjust_share_kl_coef_and_its_cooldown():
+    mon = KLMonitor(cfg(kl_band_action="adjust", collapse_action="adjust", kl_stop=5.0))
+    knobs = {"kl_coef": 0.1}
+    got = drive(mon, [{KL: 0.3, ENT: 0.05}] * 6, knobs)
+    # step 1: kl_band first (CHECKS order): 0.1 * 1.5; collapse finds kl_coef cooling down (cooldown 5)
+    assert got[0] == ([("kl_coef", 0.1, 0.1 * 1.5)], [("collapse", "warn"), ("entropy", "warn"), ("kl_band", "adjust")])
+    assert got[5][0] == [("kl_coef", 0.1 * 1.5, 0.1 * 1.5 * 1.5)]  # step 6: the cooldown of 5 is over
+    assert [c for c, _ in got[1:5]] == [[]] * 4
+
+
+def test_a_knob_the_run_lacks_is_a_warning_that_says_so():
+    mon = KLMonitor(cfg(kl_band_action="adjust", score_window=1))
+    mon.check(1, {KL: 0.01, SCORE: 0.1}, {})
+    e = mon.check(2, {KL: 0.01, SCORE: 0.2}, {"kl_coef": 0.05})  # rising, but a fixed controller has no target
+    assert e[0].action == "warn" and "no target_kl to adjust" in e[0].message
+
+
+def test_adjustments_survive_a_resume_mid_cooldown():
+    def fresh():
+        return KLMonitor(cfg(kl_band_action="adjust", kl_high_adjust=AdjustRule("kl_coef", factor=2.0, cooldown=4)))
+    stream = [{KL: k} for k in (0.1, 0.1, 0.1, 0.05, 0.1, 0.1, 0.1, 0.1)]
+    straight = drive(fresh(), stream, {"kl_coef": 0.01})
+    first = fresh()
+    knobs = {"kl_coef": 0.01}
+    head = drive(first, stream[:2], knobs)
+    second = fresh()
+    second.load_state_dict(first.state_dict())  # a checkpoint after step 2, in the middle of the cooldown
+    assert head + drive(second, stream[2:], knobs, first_step=3) == straight
+    assert [step for step, (c, _) in enumerate(straight, 1) if c] == [1, 5]
+
+
+def test_fixed_kl_arms_the_stop():
+    mon = KLMonitor(cfg(kl_stop_action="warn", kl_stop_patience=1, kl_high=1.0))
+    assert mon.check(1, {KL: 0.5})[0].action == "warn"
+    mon.stop_armed = True
+    assert mon.check(2, {KL: 0.5})[0].action == "stop" and mon.health == "stop"

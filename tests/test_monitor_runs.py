@@ -23,9 +23,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import train_ppo
-from nanokl.harness.checkpoint import latest_checkpoint
+from nanokl.harness.checkpoint import latest_checkpoint, load_state
 from nanokl.harness.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +97,83 @@ def test_stop_ends_cleanly_with_a_checkpoint_and_says_why(sft_dir, tmp_path, cap
     assert fired is not None and rows[-1]["training/global_step"] == fired  # not a step before, none after
     assert latest_checkpoint(tmp_path).name == f"global_step_{fired}"
     assert f"kl_monitor stopped the run at step {fired} (check: kl_stop)" in err
+
+
+def test_reference_recipe_reloads_the_reference_and_lowers_the_learning_rates(sft_dir, tmp_path, capfd):
+    code, err = blow_up(1, sft_dir, tmp_path, capfd, "trainer.save_freq=-1",
+                        "trainer.kl_monitor.kl_stop_action=rollback", "trainer.kl_monitor.max_rollbacks=1",
+                        "trainer.kl_monitor.rollback_recipe=reference", "trainer.kl_monitor.rollback_actor_lr=1e-5",
+                        "trainer.kl_monitor.rollback_critic_lr=2e-4")
+    assert code == 0, err[-3000:]
+    rows = [r for r in read_metrics(tmp_path) if "actor/reward_kl_penalty" in r]
+    fired = first_streak_end(rows)
+    assert fired is not None
+    at = {r["training/global_step"]: r for r in rows}
+    assert "rolled back to the reference weights (reference)" in err
+    assert all(at[s]["actor/lr"] == 0.05 for s in at if s <= fired)
+    assert all(at[s]["actor/lr"] == 1e-5 for s in at if s > fired)  # the constant schedule times the new base lr
+    assert abs(at[fired + 1]["actor/reward_kl_penalty"]) < 1e-6  # the actor sampled with the reference weights
+    assert all(r["actor/reward_kl_penalty_coeff"] == 0 for r in rows)  # beta left as it was
+    state = torch.load(latest_checkpoint(tmp_path) / "optim.pt", weights_only=True)
+    assert [g["lr"] for g in state["actor"]["param_groups"]] == [1e-5]
+    assert [g["lr"] for g in state["critic"]["param_groups"]] == [2e-4]
+
+
+def test_fixed_kl_recipe_freezes_beta_and_arms_the_stop(sft_dir, tmp_path, capfd):
+    code, err = blow_up(1, sft_dir, tmp_path, capfd, "trainer.save_freq=-1", "algorithm.kl_ctrl.type=adaptive",
+                        "algorithm.kl_ctrl.kl_coef=0.001", "algorithm.kl_ctrl.target_kl=0.05",
+                        "algorithm.kl_ctrl.horizon=640", "trainer.kl_monitor.kl_stop_action=rollback",
+                        "trainer.kl_monitor.max_rollbacks=3", "trainer.kl_monitor.rollback_recipe=fixed_kl")
+    assert code == 0, err[-3000:]
+    rows = [r for r in read_metrics(tmp_path) if "actor/reward_kl_penalty" in r]
+    fired = first_streak_end(rows)
+    assert fired is not None
+    at = {r["training/global_step"]: r for r in rows}
+    coeffs = [at[s]["actor/reward_kl_penalty_coeff"] for s in sorted(at) if s <= fired]
+    assert len(set(coeffs)) > 1  # adaptive before the rollback
+    frozen = at[fired + 1]["actor/reward_kl_penalty_coeff"]  # beta as the fired step's update left it
+    assert frozen > 0 and all(at[s]["actor/reward_kl_penalty_coeff"] == frozen for s in at if s > fired)
+    assert abs(at[fired + 1]["actor/reward_kl_penalty"]) < 1e-6  # the healthy (step 0) weights again
+    assert all(at[s]["actor/lr"] == 0.05 for s in at)  # the learning rate is left alone
+    # the second runaway stops the run (the armed stop) although kl_stop_action says rollback and
+    # max_rollbacks (3) is far away
+    second = first_streak_end([r for r in rows if r["training/global_step"] > fired])
+    assert second is not None and rows[-1]["training/global_step"] == second
+    assert rows[-1]["monitor/health"] == "stop" and "armed by the fixed_kl rollback" in err
+    _, state = load_state(latest_checkpoint(tmp_path))
+    assert state["kl_ctrl"]["type"] == "fixed" and state["kl_ctrl"]["value"] == frozen
+    assert state["monitor"]["stop_armed"] is True and state["monitor"]["rollbacks"] == 1
+
+
+ADJUST = ["trainer.kl_monitor.kl_band_action=adjust", "trainer.kl_monitor.kl_stop=10",
+          "trainer.kl_monitor.kl_high_adjust.cooldown=2", "algorithm.kl_ctrl.type=adaptive",
+          "algorithm.kl_ctrl.kl_coef=0.001", "algorithm.kl_ctrl.horizon=640",
+          "algorithm.kl_ctrl.target_kl=[[0, 0.1], [0.5, 0.03]]", "actor_rollout_ref.actor.optim.lr=0.01"]
+
+
+def test_adjustments_and_the_schedule_survive_a_resume(sft_dir, tmp_path, capfd, monkeypatch):
+    """A drifting run whose kl_high adjust raises beta: 8 steps straight, and the same run preempted
+    (SIGTERM) during step 3 then resumed, give the same rows (every adjustment at the same step, with the
+    same value) and the same final controller."""
+    def go(out):
+        return blow_up(1, sft_dir, out, capfd, *ADJUST, "trainer.total_training_steps=8", "trainer.save_freq=-1")
+    assert go(tmp_path / "a")[0] == 0
+    monkeypatch.setenv("NANOKL_FAULT", "sigterm@3")
+    code, err = go(tmp_path / "b")
+    assert code == 0 and "preempted (SIGTERM): step 4 finished" in err
+    monkeypatch.delenv("NANOKL_FAULT")
+    assert go(tmp_path / "b")[0] == 0
+    ra, rb = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    quiet = ("timing_s/", "perf/throughput")
+    assert [{k: v for k, v in r.items() if not k.startswith(quiet)} for r in ra] == \
+        [{k: v for k, v in r.items() if not k.startswith(quiet)} for r in rb]
+    steps = {r["training/global_step"]: r for r in ra if "actor/target_kl" in r}
+    adjusted = [s for s, r in steps.items() if "monitor/adjust/kl_coef" in r]
+    assert adjusted and any(s > 4 for s in adjusted), "the drift never crossed the band after the resume"
+    for s, r in steps.items():  # the adjusted beta is what the next step used (before its own update)
+        if "monitor/adjust/kl_coef" in r and s + 1 in steps:
+            assert steps[s + 1]["actor/reward_kl_penalty_coeff"] == r["monitor/adjust/kl_coef"]
+    # the schedule: 0.1 for steps 0-3 (fractions 0..0.375 of 8 steps), 0.03 after; no low-KL adjust scaled it
+    assert [steps[s]["actor/target_kl"] for s in sorted(steps)] == [0.1 if s - 1 < 4 else 0.03 for s in sorted(steps)]
+    assert load_state(latest_checkpoint(tmp_path / "a"))[1]["kl_ctrl"] == \
+        load_state(latest_checkpoint(tmp_path / "b"))[1]["kl_ctrl"]

@@ -54,7 +54,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.y
 # Names owned by a lesson module (a KL estimator, a loss aggregation, an advantage estimator, a
 # task) are typed `str` here; config_rules.validate checks them against the owner's list.
 Strategy = Literal["none", "ddp", "fsdp2"]  # verl says fsdp/fsdp2; nanokl has one plain, one DDP, one FSDP2 path
-MonitorAction = Literal["warn", "stop", "rollback"]  # what a failing KL-monitor check does (monitor.py)
+MonitorAction = Literal["warn", "adjust", "stop", "rollback"]  # what a failing KL-monitor check does (monitor.py)
 
 
 @dataclass
@@ -241,7 +241,9 @@ class KLCtrlConfig:
     type: Literal["fixed", "adaptive"] = "fixed"  # fixed beta, or beta steered toward target_kl
     kl_coef: float = 0.001  # beta: the (initial) weight of the KL penalty in the reward
     horizon: int = 10000  # adaptive: responses over which beta may move by ~20%
-    target_kl: float = 0.1  # adaptive: per-token KL the controller steers toward
+    # adaptive: per-token KL the controller steers toward; or a schedule [[fraction of training, target], ...]
+    target_kl: Union[float, list[list[float]]] = 0.1
+    target_kl_interp: Literal["step", "linear"] = "step"  # a schedule: piecewise constant, or linear between points
 
 
 @dataclass
@@ -270,6 +272,25 @@ class AlgorithmConfig:
 
 
 @dataclass
+class AdjustRule:
+    """A KL-monitor remedy (monitor.py): when its check fails, set `knob` to knob * factor (or to `value`),
+    never past `limit`, at most once per `cooldown` steps. Knobs: kl_coef, target_kl, kl_type,
+    entropy_coeff, actor_lr, critic_lr (monitor.KNOBS)."""
+    # setting one of these in a config drops the default rule's others: a value replaces its factor,
+    # a new knob its limit (nanokl.harness.config_io.build)
+    DROPS: ClassVar[dict] = {"factor": ("value",), "value": ("factor",), "knob": ("limit",)}
+    knob: str = "kl_coef"
+    factor: Optional[float] = None  # multiply the knob by this ...
+    value: Optional[Union[float, str]] = None  # ... or set it to this (kl_type: a kl.KL_KINDS name)
+    limit: Optional[float] = None  # a factor never takes the knob past this (above for > 1, below for < 1)
+    cooldown: int = 10  # steps after a change of this knob before the next one
+
+
+def _rule(knob, factor=None, value=None, limit=None, cooldown=10):
+    return field(default_factory=lambda: AdjustRule(knob, factor, value, limit, cooldown))
+
+
+@dataclass
 class KLMonitorConfig:
     """nanokl-only: the KL health checks of nanokl/harness/monitor.py (the verl KL-tuning checklist), run
     on each PPO step's metrics. An action is "warn" (log it), "stop" (save and end the run cleanly)
@@ -287,6 +308,27 @@ class KLMonitorConfig:
     entropy_action: MonitorAction = "warn"  # when the entropy check fails
     reward_var_action: MonitorAction = "warn"  # when the reward variance check fails
     kl_stop_action: MonitorAction = "stop"  # when KL > kl_stop for kl_stop_patience steps in a row
+    collapse_kl: float = 0.15  # collapse: KL above this ...
+    collapse_entropy: float = 0.1  # ... while the entropy is below this
+    collapse_action: MonitorAction = "warn"
+    critic_ev_min: float = 0.2  # the critic's explained variance of the returns must stay above this
+    critic_action: MonitorAction = "warn"
+    score_window: int = 5  # "the score rises": the mean of the last this-many steps beats the mean of those before
+    # the remedies of `adjust` (the KL-tuning article's third column); kl_band has one per side
+    kl_high_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
+    kl_low_adjust: AdjustRule = _rule("target_kl", factor=0.7, limit=0.005, cooldown=20)
+    kl_var_adjust: AdjustRule = _rule("kl_type", value="low_var_kl+")
+    entropy_adjust: AdjustRule = _rule("entropy_coeff", value=0.01)
+    reward_var_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
+    collapse_adjust: AdjustRule = _rule("kl_coef", factor=1.2, limit=1.0, cooldown=5)
+    critic_adjust: AdjustRule = _rule("critic_lr", factor=2.0, limit=1e-3, cooldown=20)
+    kl_stop_adjust: AdjustRule = _rule("kl_coef", factor=2.0, limit=1.0, cooldown=5)
+    # what a rollback does: reload the last healthy checkpoint and raise beta ("healthy"); reload the
+    # reference weights into the actor and lower the learning rates ("reference"); or reload the last
+    # healthy checkpoint, freeze beta and switch the controller to fixed, with kl_stop armed to stop ("fixed_kl")
+    rollback_recipe: Literal["healthy", "reference", "fixed_kl"] = "healthy"
+    rollback_actor_lr: float = 1e-6  # reference: the actor's learning rate after it
+    rollback_critic_lr: Optional[float] = None  # reference: the critic's (null: unchanged)
     rollback_beta_factor: float = 2.0  # rollback: beta is multiplied by this after reloading
     rollback_min_beta: float = 0.01  # rollback: beta is first raised to at least this (0 times a factor is 0)
     max_rollbacks: int = 3  # a rollback beyond this many becomes a stop (no endless reload loop)

@@ -13,6 +13,7 @@ import difflib
 import functools
 
 from nanokl.harness.config_io import ConfigError
+from nanokl.harness.monitor import CHECKS, KNOBS
 
 
 def resolve(cfg):
@@ -71,10 +72,11 @@ _RULES = [
       _C + "ppo_mini_batch_size", _C + "ppo_micro_batch_size_per_gpu", _C + "ppo_max_token_len_per_gpu",
       _C + "forward_max_token_len_per_gpu", _C + "ppo_epochs", _C + "grad_clip", _C + "cliprange_value",
       "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
-      "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.target_kl",
+      "algorithm.kl_ctrl.horizon",
       "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep",
       "trainer.log_freq", _M + "kl_high", _M + "kl_var_max", _M + "reward_var_max", _M + "kl_stop",
-      _M + "kl_stop_patience",
+      _M + "kl_stop_patience", _M + "collapse_kl", _M + "score_window", _M + "rollback_actor_lr",
+      _M + "rollback_critic_lr",
       "reward_model.train.steps", "reward_model.train.batch_size", "reward_model.train.lr",
       "reward_model.train.num_prompts", "reward_model.train.norm_samples",
       _S + "steps", _S + "batch_size", _S + "lr", _S + "num_examples", _S + "vocab_size", _S + "hidden_size",
@@ -82,7 +84,7 @@ _RULES = [
       _S + "intermediate_size", _S + "max_position_embeddings"],
      lambda v: v > 0, "> 0"),
     (["data.num_val", "data.seed", "trainer.seed", "trainer.critic_warmup", _A + "kl_loss_coef",
-      "algorithm.kl_ctrl.kl_coef", "reward_model.missing_eos_penalty", _M + "kl_low", _M + "entropy_min", _M + "rollback_min_beta",
+      "algorithm.kl_ctrl.kl_coef", "reward_model.missing_eos_penalty", _M + "kl_low", _M + "entropy_min", _M + "rollback_min_beta", _M + "collapse_entropy",
       _M + "max_rollbacks", "trainer.val_kl_prompts", "reward_model.train.num_val_prompts", "reward_model.train.seed",
       _R + "val_kwargs.temperature", _A + "optim.lr", _A + "optim.weight_decay",
       _C + "optim.lr", _C + "optim.weight_decay"],
@@ -122,6 +124,41 @@ def _owned_names():
             ("algorithm.adv_estimator", tuple(ESTIMATORS)), ("data.task", tuple(TASKS))]
 
 
+def _check_target_kl(target):
+    key = "algorithm.kl_ctrl.target_kl"
+    if isinstance(target, (int, float)):
+        if target <= 0:
+            raise ConfigError(f"{key} must be > 0, got {target!r}", keys=key)
+        return
+    fractions = [p[0] if isinstance(p, list) and len(p) == 2 else None for p in target]
+    if (not target or None in fractions or fractions[0] != 0 or any(b <= a for a, b in zip(fractions, fractions[1:]))
+            or fractions[-1] > 1 or any(p[1] <= 0 for p in target)):
+        raise ConfigError(f"{key} must be a number > 0 or a schedule [[0, target], [fraction, target], ...] with "
+                          f"fractions rising from 0 to at most 1 and targets > 0; got {target!r}", keys=key)
+
+
+def _check_rule(rule, key):
+    if rule.knob not in KNOBS:
+        close = difflib.get_close_matches(rule.knob, KNOBS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}.knob must be one of {', '.join(KNOBS)}; got {rule.knob!r}{hint}", keys=key + ".knob")
+    if (rule.factor is None) == (rule.value is None):
+        raise ConfigError(f"{key}: give exactly one of factor (multiply the knob) and value (set it)",
+                          keys=(key + ".factor", key + ".value"))
+    if rule.factor is not None and rule.factor <= 0:
+        raise ConfigError(f"{key}.factor must be > 0, got {rule.factor!r}", keys=key + ".factor")
+    if rule.knob == "kl_type":
+        from nanokl.kl import KL_KINDS
+        if rule.factor is not None or rule.value not in KL_KINDS:
+            raise ConfigError(f"{key}.value must be one of {', '.join(KL_KINDS)} for the knob kl_type; got "
+                              f"{rule.value!r}", keys=key + ".value")
+    elif rule.value is not None and (isinstance(rule.value, str) or rule.value < 0):
+        raise ConfigError(f"{key}.value must be a number >= 0 for the knob {rule.knob}; got {rule.value!r}",
+                          keys=key + ".value")
+    if rule.cooldown < 0:
+        raise ConfigError(f"{key}.cooldown must be >= 0, got {rule.cooldown!r}", keys=key + ".cooldown")
+
+
 def validate(cfg):
     """Reject values that are wrong in every run (not merely unusual). Run after `resolve`."""
     for key, names in _owned_names():
@@ -130,6 +167,7 @@ def validate(cfg):
             close = difflib.get_close_matches(str(value), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key} must be one of {', '.join(names)}; got {value!r}{hint}", keys=key)
+    _check_target_kl(cfg.algorithm.kl_ctrl.target_kl)
     for keys, ok, rule in _RULES:
         for key in keys:
             value = _get(cfg, key)
@@ -177,6 +215,9 @@ def validate(cfg):
                               f"must be false and {_A}ppo_micro_batch_size_per_gpu even",
                               keys=(_A + "use_dynamic_bsz", _A + "shuffle", _A + "ppo_micro_batch_size_per_gpu"))
     mon = cfg.trainer.kl_monitor
+    for check in CHECKS + ("kl_high", "kl_low"):
+        if check != "kl_band":
+            _check_rule(getattr(mon, f"{check}_adjust"), f"{_M}{check}_adjust")
     if mon.kl_low >= mon.kl_high:
         raise ConfigError(f"{_M}kl_low ({mon.kl_low}) must be below kl_high ({mon.kl_high}): the healthy KL band "
                           f"needs a width", keys=(_M + "kl_low", _M + "kl_high"))

@@ -18,6 +18,8 @@ rules of thumb, not measurements) (KL mean
   kl_var      KL variance >= kl_var_max                           actor/reward_kl_var
   entropy     entropy <= entropy_min                              actor/entropy
   reward_var  reward variance >= reward_var_max                   critic/score/var
+  collapse    KL > collapse_kl while entropy < collapse_entropy   both of the above
+  critic      explained variance < critic_ev_min                  critic/vf_explained_var
   kl_stop     KL > kl_stop on kl_stop_patience consecutive        (the KL above)
               steps (fires at the patience-th, and every step
               after while the streak lasts)
@@ -41,10 +43,32 @@ exploration. A reward variance far above the reference's (a normalised reward mo
 reference samples, nanokl/supervised/reward_model.py) is the signature of reward hacking. KL above kl_stop
 for several steps in a row is a run the controller has lost.
 
-Each check has an action (`<check>_action`): "warn" (log it), "stop" (save and end the run
-cleanly) or "rollback" (reload the last healthy checkpoint, multiply beta by rollback_beta_factor,
-continue). Defaults: the four level checks warn, kl_stop stops. After max_rollbacks rollbacks a
-further rollback becomes a stop, so a run cannot loop forever.
+Each check has an action (`<check>_action`): "warn" (log it), "adjust" (turn a knob, below), "stop"
+(save and end the run cleanly) or "rollback" (reload the last healthy checkpoint, multiply beta by
+rollback_beta_factor, continue; trainer.kl_monitor.rollback_recipe picks other recipes, run.py).
+Defaults: the level checks warn, kl_stop stops. After max_rollbacks rollbacks a further rollback
+becomes a stop, so a run cannot loop forever.
+
+Adjust: the article's remedies. The same article's table has a third column, what to do when a
+check fails; `adjust` applies it. Each check has a rule `<check>_adjust` (kl_band has one per side,
+kl_high_adjust and kl_low_adjust): a knob, and a factor to multiply it by or a value to set it to.
+The defaults are the article's prescriptions:
+
+  KL above the band          kl_coef x 1.5                (beta in the reward and/or the KL loss's weight)
+  KL below it, score rising  target_kl x 0.7              (the adaptive controller's target; a KL below
+                                                           the band while the score still rises: the
+                                                           policy learns without needing the room)
+  KL variance high           kl_type -> low_var_kl+       (the KL estimator in use: actor.kl_loss_type
+                                                           with a KL loss, else algorithm.kl_penalty)
+  entropy low                entropy_coeff -> 0.01        (the entropy bonus)
+  collapse                   kl_coef x 1.2
+  (ours) reward variance high  kl_coef x 1.5; critic weak  critic_lr x 2; kl_stop  kl_coef x 2
+Rules: a knob moves at most once per `cooldown` steps (the change must show in the next steps'
+metrics before it is judged again) and a factor never takes it past `limit`; when neither lets it
+move, or the knob does not exist in this run (target_kl under a fixed controller), the event is a
+warning that says why. `check(step, metrics, knobs)` takes the knobs' current values and returns
+each change in its Event; the trainer applies them (run.py). Changes are logged as
+monitor/adjust/<knob> (the new value; 1 for a new kl_type) and kept in the state_dict.
 
 Semantics, precisely. Thresholds are strict where the checklist says "<" or ">": KL exactly at
 kl_low or kl_high is in the band, KL exactly at kl_stop does not count, entropy must stay *above*
@@ -87,15 +111,19 @@ KL_KEYS = ("actor/reward_kl_penalty", "actor/kl_loss")  # the first present is t
 KL_VAR_KEY = "actor/reward_kl_var"
 ENTROPY_KEY = "actor/entropy"
 REWARD_VAR_KEY = "critic/score/var"
+EV_KEY = "critic/vf_explained_var"
+SCORE_KEY = "critic/score/mean"
 
-CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "kl_stop")  # the order events come in
-GRAVITY = {"warn": 1, "rollback": 2, "stop": 3}  # health word = the gravest action fired
+CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "collapse", "critic", "kl_stop")  # the order events come in
+GRAVITY = {"warn": 1, "adjust": 2, "rollback": 3, "stop": 4}  # health word = the gravest action fired
+KNOBS = ("kl_coef", "target_kl", "kl_type", "entropy_coeff", "actor_lr", "critic_lr")  # what `adjust` may turn
 
 
 class Event(NamedTuple):
     check: str  # one of CHECKS
-    action: str  # "warn" | "stop" | "rollback" (a rollback past max_rollbacks arrives as "stop")
+    action: str  # "warn" | "adjust" | "stop" | "rollback" (a rollback past max_rollbacks arrives as "stop")
     message: str  # one line for the log
+    change: tuple | None = None  # adjust: (knob, old value, new value)
 
 
 def _read(metrics, key):
@@ -112,17 +140,54 @@ class KLMonitor:
         self.rollbacks = 0  # rollbacks done (rolled_back calls)
         self.health = "ok"  # this step's word for the console
         self.fired = {}  # this step: check -> 1.0 fired / 0.0 passed, for the checks that ran
+        self.last_adjusted = {}  # knob -> the step of its last change (cooldowns)
+        self.adjusted = {}  # knob -> its value after the last change (restored on resume)
+        self.changes = {}  # this step: knob -> new value
+        self.scores = []  # the last 2 * score_window step scores ("is the score rising?")
+        self.stop_armed = False  # the fixed_kl rollback recipe: kl_stop stops from now on
 
-    def check(self, step: int, metrics: dict) -> list[Event]:
-        """Run every check whose metric is present; return the events that fired, in CHECKS order."""
+    def rising(self) -> bool:
+        """The mean score of the last score_window steps is above that of the score_window before."""
+        w = self.cfg.score_window
+        return len(self.scores) == 2 * w and sum(self.scores[w:]) > sum(self.scores[:w])
+
+    def _plan(self, rule, knobs: dict, step: int):
+        """(knob, old, new) for `rule` now, or (None, why not)."""
+        knob, cur = rule.knob, knobs.get(rule.knob)
+        if cur is None:
+            return None, f"; no {knob} to adjust in this run"
+        last = self.last_adjusted.get(knob)
+        if last is not None and step - last < rule.cooldown:
+            return None, f"; {knob} cooling down until step {last + rule.cooldown}"
+        if rule.factor is not None:
+            new = cur * rule.factor
+            if rule.limit is not None:
+                new = min(new, rule.limit) if rule.factor > 1 else max(new, rule.limit)
+                new = cur if (cur - rule.limit) * (rule.factor - 1) >= 0 else new  # already past it: leave it
+        else:
+            new = rule.value
+        if new == cur:
+            return None, f"; {knob} stays at {cur:g}" if isinstance(cur, float) else f"; {knob} is already {cur}"
+        self.last_adjusted[knob], self.adjusted[knob] = step, new
+        knobs[knob] = new  # a second rule on the same knob this step starts from here
+        return (knob, cur, new), f" -> {knob} {cur:g} -> {new:g}" if isinstance(new, float) else f" -> {knob} {cur} -> {new}"
+
+    def check(self, step: int, metrics: dict, knobs: dict | None = None) -> list[Event]:
+        """Run every check whose metric is present; return the events that fired, in CHECKS order.
+        `knobs`: the current value of each knob an adjust may turn (absent: none applies)."""
         c = self.cfg
         failed = {}  # check -> message
-        self.fired = {}
+        self.fired, self.changes, knobs = {}, {}, dict(knobs or {})
+        score = _read(metrics, SCORE_KEY)
+        if score is not None:
+            self.scores = (self.scores + [score])[-2 * c.score_window:]
         kl_key = next((k for k in KL_KEYS if k in metrics), None)
         kl = _read(metrics, kl_key) if kl_key else None
+        side = None
         if kl is not None:
             if not c.kl_low <= kl <= c.kl_high:
                 self.kl_band_violations += 1
+                side = "kl_low" if kl < c.kl_low else "kl_high"
                 failed["kl_band"] = f"KL {kl:.4g} outside the healthy band [{c.kl_low}, {c.kl_high}] ({kl_key})"
             self.fired["kl_band"] = 0.0
         for name, key, healthy, what in (
@@ -135,6 +200,17 @@ class KLMonitor:
                 self.fired[name] = 0.0
                 if not healthy(v):  # NaN is not healthy
                     failed[name] = what.format(v) + f" ({key})"
+        entropy = _read(metrics, ENTROPY_KEY)
+        if kl is not None and entropy is not None:
+            self.fired["collapse"] = 0.0
+            if not (kl <= c.collapse_kl or entropy >= c.collapse_entropy):
+                failed["collapse"] = (f"KL {kl:.4g} > {c.collapse_kl} while entropy {entropy:.4g} < "
+                                      f"{c.collapse_entropy} (mode collapse)")
+        ev = _read(metrics, EV_KEY)
+        if ev is not None:
+            self.fired["critic"] = 0.0
+            if not ev >= c.critic_ev_min:
+                failed["critic"] = f"critic explained variance {ev:.4g} < {c.critic_ev_min} ({EV_KEY})"
         if kl is not None:
             self.kl_over_stop_streak = 0 if kl <= c.kl_stop else self.kl_over_stop_streak + 1  # NaN counts
             self.fired["kl_stop"] = 0.0
@@ -147,13 +223,26 @@ class KLMonitor:
             if name not in failed:
                 continue
             self.fired[name] = 1.0
-            action, note = getattr(c, f"{name}_action"), ""
+            action, note, change = getattr(c, f"{name}_action"), "", None
+            if name == "kl_stop" and self.stop_armed:
+                action, note = "stop", "; armed by the fixed_kl rollback"
             if name == "kl_band" and action == "rollback" and kl < c.kl_low:
                 # a rollback raises beta, which would push a KL that is already too low further down
                 action, note = "warn", "; below the band a rollback would push the wrong way"
             elif action == "rollback" and self.rollbacks >= c.max_rollbacks:
                 action, note = "stop", f"; {self.rollbacks} rollbacks done (max_rollbacks), stopping instead"
-            events.append(Event(name, action, f"kl_monitor step {step}: {action}: {name}: {failed[name]}{note}"))
+            elif action == "adjust":
+                rule = getattr(c, f"{side if name == 'kl_band' else name}_adjust")
+                if side == "kl_low" and name == "kl_band" and not self.rising():
+                    note = "; the score is not rising: nothing to adjust"
+                else:
+                    change, note = self._plan(rule, knobs, step)
+                if change is None:
+                    action = "warn"
+                else:
+                    self.changes[change[0]] = change[2]
+            events.append(Event(name, action, f"kl_monitor step {step}: {action}: {name}: {failed[name]}{note}",
+                                change))
         self.health = max((e.action for e in events), key=GRAVITY.get, default="ok")
         return events
 
@@ -162,7 +251,7 @@ class KLMonitor:
         """May a rollback return to a checkpoint of this step? Only if no check whose action is
         rollback or stop fired, and no KL > kl_stop streak is under way (a streak short of the
         patience has fired nothing yet, but those weights are already drifting away)."""
-        return self.health in ("ok", "warn") and self.kl_over_stop_streak == 0
+        return self.health in ("ok", "warn", "adjust") and self.kl_over_stop_streak == 0
 
     def metrics(self) -> dict[str, float]:
         """monitor/* floats of the latest check (see the module docstring)."""
@@ -170,7 +259,8 @@ class KLMonitor:
                 **{f"monitor/{name}_fired": v for name, v in self.fired.items()},
                 "monitor/kl_band_violations": float(self.kl_band_violations),
                 "monitor/kl_over_stop_streak": float(self.kl_over_stop_streak),
-                "monitor/rollbacks": float(self.rollbacks)}
+                "monitor/rollbacks": float(self.rollbacks),
+                **{f"monitor/adjust/{k}": v if isinstance(v, float) else 1.0 for k, v in self.changes.items()}}
 
     def rolled_back(self):
         """The trainer has reloaded a healthy checkpoint: count it and start the streak again."""
@@ -180,10 +270,16 @@ class KLMonitor:
     def state_dict(self) -> dict:
         return {"kl_over_stop_streak": self.kl_over_stop_streak, "kl_band_violations": self.kl_band_violations,
                 "rollbacks": self.rollbacks, "health": self.health,
-                "fired": dict(self.fired)}
+                "fired": dict(self.fired), "last_adjusted": dict(self.last_adjusted), "adjusted": dict(self.adjusted),
+                "changes": dict(self.changes), "scores": list(self.scores), "stop_armed": self.stop_armed}
 
     def load_state_dict(self, state: dict):
         self.kl_over_stop_streak = int(state["kl_over_stop_streak"])
         self.kl_band_violations = int(state["kl_band_violations"])
         self.rollbacks = int(state["rollbacks"])
         self.health, self.fired = state["health"], {k: float(v) for k, v in state["fired"].items()}
+        # (checkpoints from before adjust had none of these)
+        self.last_adjusted = {k: int(v) for k, v in state.get("last_adjusted", {}).items()}
+        self.adjusted, self.changes = dict(state.get("adjusted", {})), dict(state.get("changes", {}))
+        self.scores = [float(v) for v in state.get("scores", [])]
+        self.stop_armed = bool(state.get("stop_armed", False))

@@ -50,6 +50,7 @@ from nanokl.harness.faults import Preemption, catch_preemption, inject
 from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
+from nanokl.harness import remedies
 from nanokl.harness.monitor import CHECKS, KLMonitor
 from nanokl.harness.scoring import validate
 from nanokl.harness.tokenizer import load_tokenizer
@@ -280,6 +281,7 @@ def steps(run):
         for step in tqdm(range(run.start, run.total_steps), desc="ppo", initial=run.start, total=run.total_steps,
                          file=sys.stderr, disable=run.rank != 0):
             inject(step, run.rank)  # test-only faults (NANOKL_FAULT); nothing when unset
+            run.kl_ctrl.follow(step / run.total_steps)  # a target_kl schedule's target for this step
             yield step
 
 
@@ -310,11 +312,14 @@ def resume(run, ckpt):
     scheds, state = _restore(run, ckpt)
     for name, _, _, sched in _models(run):
         sched.load_state_dict(scheds[f"{name}_sched"])
+    if state["kl_ctrl"].get("type") == "fixed" and run.kl_ctrl.kind != "fixed":  # the fixed_kl rollback froze it
+        run.kl_ctrl = FixedKLController(state["kl_ctrl"]["value"])
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
     if "kl_loss_ctrl" in state:  # a rollback may have raised it
         run.kl_loss_ctrl.load_state_dict(state["kl_loss_ctrl"])
     if run.monitor and "monitor" in state:
         run.monitor.load_state_dict(state["monitor"])
+        remedies.restore(run)
     set_rng_state(state["rng"])
     run.start, run.nan_streak, run.healthy_step = state["global_step"], state.get("nan_streak", 0), state.get(
         "healthy_step")
@@ -345,23 +350,6 @@ def save(run, step, healthy=True) -> Path:
     return path
 
 
-def rollback(run):
-    """Reload the last healthy checkpoint's weights and optimizer states and raise both KL
-    coefficients; the step count and the learning-rate schedule keep moving forward."""
-    path = run.run_dir / "checkpoints" / f"global_step_{run.healthy_step}"
-    if run.healthy_step is None or not (path / "trainer_state.pt").is_file():
-        return None
-    _, state = _restore(run, path, weights=True)
-    km, alg, a = run.cfg.trainer.kl_monitor, run.cfg.algorithm, run.cfg.actor_rollout_ref.actor
-    if alg.use_kl_in_reward:  # beta as it is now or was then, whichever is larger, times the factor
-        run.kl_ctrl.value = max(run.kl_ctrl.value, state["kl_ctrl"]["value"], km.rollback_min_beta) * \
-            km.rollback_beta_factor
-    if a.use_kl_loss:
-        run.kl_loss_ctrl.value = max(run.kl_loss_ctrl.value, km.rollback_min_beta) * km.rollback_beta_factor
-    run.monitor.rolled_back()
-    return path
-
-
 def _say(run, message):
     if run.rank == 0:
         tqdm.write(message, file=sys.stderr)
@@ -375,6 +363,8 @@ def end_step(run, step, metrics) -> bool:
     if run.val and t.test_freq > 0 and (done % t.test_freq == 0 or last):
         with timer(metrics, "testing", run.device):
             metrics.update(validate(run.rollout_model, run.tok, run.val, run.cfg, run.device, run.ref))
+    if run.kl_ctrl.kind == "adaptive" and run.cfg.algorithm.use_kl_in_reward:
+        metrics["actor/target_kl"] = run.kl_ctrl.target  # moves with a schedule or an adjust
     run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
     if run.nan_streak >= MAX_NAN_STEPS:
         path = save(run, done, healthy=False)
@@ -382,19 +372,21 @@ def end_step(run, step, metrics) -> bool:
         raise TrainingStopped(f"stopped at step {done}: {MAX_NAN_STEPS} steps in a row had a non-finite loss "
                               f"or gradient (updates skipped); checkpoint saved to {path}")
     actions, events = set(), []
-    if run.monitor:  # KL health (nanokl/harness/monitor.py): warn, stop cleanly, or roll back
-        events = run.monitor.check(done, metrics)
+    if run.monitor:  # KL health (nanokl/harness/monitor.py): warn, adjust a knob, stop cleanly, or roll back
+        events = run.monitor.check(done, metrics, remedies.knobs(run))
         metrics.update(run.monitor.metrics(), **{"monitor/health": run.monitor.health})
         actions = {e.action for e in events}
         for e in events:
             _say(run, e.message)
+        remedies.apply(run, events)  # the adjusted knobs act from the next step on
         if "rollback" in actions and "stop" not in actions:
-            back = rollback(run)
+            back = remedies.rollback(run, _restore)
             if back is None:
                 actions.add("stop")
                 _say(run, "kl_monitor: no healthy checkpoint to roll back to; stopping")
             else:
-                _say(run, f"kl_monitor: rolled back to {back}; beta is now {run.kl_ctrl.value:.4g}")
+                _say(run, f"kl_monitor: rolled back to {back} ({run.cfg.trainer.kl_monitor.rollback_recipe}); beta is "
+                          f"now {run.kl_ctrl.value:.4g} ({run.kl_ctrl.kind})")
     if "stop" in actions:
         path = save(run, done, healthy=False)
         run.tracker.log(metrics, step=done)
