@@ -270,11 +270,12 @@ def build(cls, data: dict, prefix: str = "", universe: list[str] | None = None):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k, v in data.items():
         f = fields[k]
-        if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) and f.default_factory is not dataclasses.MISSING:
+        if hasattr(hints[k], "DROPS") and isinstance(v, dict) and f.default_factory is not dataclasses.MISSING:
             # a section whose default is an instance with its own values (the KL monitor's adjust
-            # rules): the keys given override that instance's values, not the class's defaults
+            # rules, which declare DROPS): the keys given override that instance's values, not the
+            # class's defaults
             base = to_dict(f.default_factory())
-            for given, drop in getattr(hints[k], "DROPS", {}).items():  # e.g. a value replaces a default factor
+            for given, drop in hints[k].DROPS.items():  # e.g. a value replaces a default factor
                 if given in v:
                     for d in drop:
                         base.pop(d, None)
