@@ -210,3 +210,34 @@ def test_unparsable_override_value():
 
 def test_config_error_is_a_user_error_and_a_value_error():
     assert issubclass(ConfigError, UserError) and issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["trainer.kl_monitor.kl_high_adjust.knob=kl_coeff"],
+     "trainer.kl_monitor.kl_high_adjust.knob must be one of kl_coef, target_kl, kl_type, entropy_coeff, actor_lr, "
+     "critic_lr; got 'kl_coeff' (did you mean 'kl_coef'?)"),
+    (["trainer.kl_monitor.entropy_adjust.factor=2", "trainer.kl_monitor.entropy_adjust.value=0.1"],
+     "trainer.kl_monitor.entropy_adjust: give exactly one of factor (multiply the knob) and value (set it)"),
+    (["trainer.kl_monitor.kl_var_adjust.value=low_var"], "trainer.kl_monitor.kl_var_adjust.value must be one of"),
+    (["trainer.kl_monitor.collapse_adjust.factor=-1"], "trainer.kl_monitor.collapse_adjust.factor must be > 0"),
+    (["trainer.kl_monitor.critic_adjust.cooldown=-2"], "trainer.kl_monitor.critic_adjust.cooldown must be >= 0"),
+    (["algorithm.kl_ctrl.target_kl=[[0.1, 0.1], [0.5, 0.03]]"], "algorithm.kl_ctrl.target_kl must be a number > 0 or a"),
+    (["algorithm.kl_ctrl.target_kl=[[0, 0.1], [0.5, 0.03], [0.4, 0.02]]"], "fractions rising from 0"),
+    (["algorithm.kl_ctrl.target_kl=[[0, 0.1], [0.5, 0]]"], "targets > 0"),
+    (["algorithm.kl_ctrl.target_kl=-0.1"], "algorithm.kl_ctrl.target_kl must be > 0"),
+])
+def test_bad_remedy_rules_and_target_schedules_name_the_key(overrides, expected):
+    assert expected in error_of(load_config, None, overrides)
+
+
+def test_a_rule_override_keeps_the_rest_of_its_default_rule():
+    mon = load_config(None, ["trainer.kl_monitor.kl_high_adjust.cooldown=2",
+                             "trainer.kl_monitor.kl_low_adjust={value: 0.02}",
+                             "trainer.kl_monitor.entropy_adjust={knob: kl_coef, factor: 2}"]).trainer.kl_monitor
+    assert (mon.kl_high_adjust.knob, mon.kl_high_adjust.factor, mon.kl_high_adjust.limit,
+            mon.kl_high_adjust.cooldown) == ("kl_coef", 1.5, 1.0, 2)
+    assert (mon.kl_low_adjust.knob, mon.kl_low_adjust.factor, mon.kl_low_adjust.value) == ("target_kl", None, 0.02)
+    assert (mon.entropy_adjust.knob, mon.entropy_adjust.factor, mon.entropy_adjust.value,
+            mon.entropy_adjust.limit) == ("kl_coef", 2.0, None, None)
+    sched = load_config(None, ["algorithm.kl_ctrl.target_kl=[[0, 0.1], [0.5, 0.03]]"]).algorithm.kl_ctrl.target_kl
+    assert sched == [[0.0, 0.1], [0.5, 0.03]]

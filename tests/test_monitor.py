@@ -299,9 +299,11 @@ def test_collapse_and_critic_checks_fire_where_their_metrics_cross():
     # collapse: KL > 0.15 and entropy < 0.1 -> steps 3 and 6 (0.15 is not above, 0.1 is not below)
     mon = KLMonitor(cfg(kl_high=1.0, kl_stop=5.0))
     assert fire_steps(mon, [{KL: k, ENT: e} for k, e in stream], "collapse") == [3, 6]
-    # critic: explained variance below 0.2 (strictly), NaN fails
-    mon = KLMonitor(cfg())
+    # critic: explained variance below critic_ev_min (strictly; default 0), NaN fails
+    assert KLMonitorConfig().critic_ev_min == 0.0 and KLMonitorConfig().critic_action == "warn"
+    mon = KLMonitor(cfg(critic_ev_min=0.2))
     assert fire_steps(mon, [{EV: v} for v in [0.5, 0.2, 0.1999, -1.0, math.nan, 0.9]], "critic") == [3, 4, 5]
+    assert fire_steps(KLMonitor(cfg()), [{EV: v} for v in [0.05, 0.0, -0.001]], "critic") == [3]
 
 
 def test_collapse_adjust_and_kl_high_adjust_share_kl_coef_and_its_cooldown():

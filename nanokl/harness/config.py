@@ -311,7 +311,12 @@ class KLMonitorConfig:
     collapse_kl: float = 0.15  # collapse: KL above this ...
     collapse_entropy: float = 0.1  # ... while the entropy is below this
     collapse_action: MonitorAction = "warn"
-    critic_ev_min: float = 0.2  # the critic's explained variance of the returns must stay above this
+    # the critic's explained variance of the returns must stay at or above this. The article says 0.8;
+    # that fits dense rewards. Here the return is mostly one 0/1 score per sample, and with p(correct)
+    # near 0.5 most of its variance is the sample's luck, which no value of the prompt can explain:
+    # nanokl's small critic holds 0.03-0.09 on the default task, and below 0 (worse than the mean
+    # return) is the failure worth a warning (3% of a healthy run's steps after the first 30)
+    critic_ev_min: float = 0.0
     critic_action: MonitorAction = "warn"
     score_window: int = 5  # "the score rises": the mean of the last this-many steps beats the mean of those before
     # the remedies of `adjust` (the KL-tuning article's third column); kl_band has one per side

@@ -19,7 +19,8 @@ rules of thumb, not measurements) (KL mean
   entropy     entropy <= entropy_min                              actor/entropy
   reward_var  reward variance >= reward_var_max                   critic/score/var
   collapse    KL > collapse_kl while entropy < collapse_entropy   both of the above
-  critic      explained variance < critic_ev_min                  critic/vf_explained_var
+  critic      explained variance < critic_ev_min (0; the article   critic/vf_explained_var
+              says 0.8, for dense rewards: config.py says why)
   kl_stop     KL > kl_stop on kl_stop_patience consecutive        (the KL above)
               steps (fires at the patience-th, and every step
               after while the streak lasts)

@@ -14,14 +14,17 @@ below read and update; no trainer class hierarchy.
     for step in steps(run):
         metrics = ppo_step(run, step)
         if not end_step(run, step, metrics):     validation every test_freq, the NaN guard, the
-            break                                KL monitor (warn, stop, roll back), checkpoint
-                                                 every save_freq, one metrics.jsonl row
+            break                                KL monitor (warn, adjust, stop, roll back),
+                                                 checkpoint every save_freq (and on a preemption
+                                                 signal), one metrics.jsonl row
     run.tracker.close()
 
 The two KL coefficients are controllers (nanokl/kl_ctrl.py): `run.kl_ctrl` is beta in the reward
-(fixed or adaptive, algorithm.kl_ctrl), `run.kl_loss_ctrl` the weight of the KL loss
-(actor.kl_loss_coef, fixed). Both are saved in every checkpoint and restored on resume; a rollback
-raises both (to at least rollback_min_beta, times rollback_beta_factor).
+(fixed or adaptive, algorithm.kl_ctrl, following a target_kl schedule when one is given),
+`run.kl_loss_ctrl` the weight of the KL loss (actor.kl_loss_coef, fixed). Both are saved in every
+checkpoint and restored on resume. The KL monitor's remedies act on them and on a few other knobs
+(nanokl/harness/remedies.py): an `adjust` turns one knob, a rollback follows its recipe (by
+default: reload the last healthy checkpoint and raise both coefficients).
 
 Checkpoints (nanokl/harness/checkpoint.py) hold HF-format weights, the optimizer states keyed by
 parameter name (any world size can load them), and the trainer state: step, both controllers,

@@ -1,0 +1,96 @@
+"""A run made to drift, watched by the KL monitor twice: once warning, once adjusting.
+
+    python bench/monitor_drift.py                 # the two runs (~2 x 3 min on 2 CPU cores), table, plot
+    python bench/monitor_drift.py --report        # table and plot from runs/monitor_drift/ again
+
+The drift: arith_tiny.yaml with a fixed beta (no controller to hold the KL) and an actor learning
+rate 10x the default's. Both runs are the same command but for trainer.kl_monitor.kl_band_action:
+`warn` only says that the KL left the band [kl_low, kl_high]; `adjust` applies the KL-tuning
+article's remedy for a high KL, kl_coef x 1.5 (at most every 5 steps, never above 1.0). The table
+gives, for each run, the first step the KL left the band upward, the step it was back inside
+(adjust) and what fraction of the steps after that stayed inside; the plot, the KL of both runs
+against the band, and beta.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "runs" / "monitor_drift"
+DRIFT = ["algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0.05", "actor_rollout_ref.actor.optim.lr=2e-4",
+         "trainer.total_training_steps=150", "trainer.test_freq=-1", "trainer.val_before_train=false",
+         "trainer.save_freq=-1", "trainer.kl_monitor.enable=true", "trainer.logger=[jsonl]"]
+
+
+def rows(name):
+    return [json.loads(line) for line in open(OUT / name / "metrics.jsonl") if line.strip()]
+
+
+def summary(rs, low, high):
+    kl = [(r["training/global_step"], r["actor/reward_kl_penalty"]) for r in rs if "actor/reward_kl_penalty" in r]
+    left = next((s for s, k in kl if k > high), None)
+    back = next((s for s, k in kl if left is not None and s > left and low <= k <= high
+                 and all(low <= k2 <= high for s2, k2 in kl if s2 > s)), None)  # inside from here to the end
+    after = [k for s, k in kl if left is not None and s > left]
+    inside = sum(low <= k <= high for k in after) / max(1, len(after))
+    half = [k for s, k in kl if s > len(kl) // 2]
+    adjusts = sum(1 for r in rs if "monitor/adjust/kl_coef" in r)
+    beta = [r["actor/reward_kl_penalty_coeff"] for r in rs if "actor/reward_kl_penalty_coeff" in r]
+    return {"left": left, "back": back, "inside_after": inside, "kl_2nd_half": sum(half) / len(half),
+            "adjusts": adjusts, "beta_end": beta[-1]}
+
+
+def plot(low, high, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
+    ax.axhspan(low, high, color="green", alpha=0.12, label=f"healthy band [{low}, {high}]")
+    for name, color in (("warn", "tab:red"), ("adjust", "tab:blue")):
+        rs = rows(name)
+        steps = [r["training/global_step"] for r in rs if "actor/reward_kl_penalty" in r]
+        ax.plot(steps, [r["actor/reward_kl_penalty"] for r in rs if "actor/reward_kl_penalty" in r], color=color,
+                label=f"kl_band_action={name}")
+        bx.plot(steps, [r["actor/reward_kl_penalty_coeff"] for r in rs if "actor/reward_kl_penalty_coeff" in r],
+                color=color)
+        marks = [r["training/global_step"] for r in rs if "monitor/adjust/kl_coef" in r]
+        bx.plot(marks, [r["monitor/adjust/kl_coef"] for r in rs if "monitor/adjust/kl_coef" in r], "o", color=color,
+                ms=4)
+    ax.set_ylabel("KL per token")
+    ax.set_title("actor lr 2e-4 (10x), fixed beta: the monitor warns, or adjusts kl_coef x1.5")
+    ax.legend()
+    bx.set_ylabel("beta (dots: adjustments)")
+    bx.set_xlabel("PPO step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--report", action="store_true", help="re-print and re-plot the runs already in runs/monitor_drift")
+    p.add_argument("--plot", default=str(ROOT / "bench" / "monitor_drift.png"))
+    args = p.parse_args()
+    if not args.report:
+        for name in ("warn", "adjust"):
+            cmd = [sys.executable, str(ROOT / "train_ppo.py"), *DRIFT, f"trainer.kl_monitor.kl_band_action={name}",
+                   f"trainer.default_local_dir={OUT / name}", "trainer.resume_mode=disable"]
+            print(" ".join(cmd[1:]), file=sys.stderr)
+            subprocess.run(cmd, check=True, cwd=ROOT)
+    from nanokl.harness.config import load_config
+    mon = load_config(ROOT / "configs" / "arith_tiny.yaml").trainer.kl_monitor
+    print(f"| kl_band_action | first step above {mon.kl_high} | back in the band for good at | share of later steps "
+          f"in the band | mean KL, steps 76-150 | kl_coef adjustments | beta at the end |")
+    print("|---|---|---|---|---|---|---|")
+    for name in ("warn", "adjust"):
+        s = summary(rows(name), mon.kl_low, mon.kl_high)
+        print(f"| {name} | {s['left']} | {s['back'] if s['back'] is not None else 'never'} | "
+              f"{s['inside_after']:.2f} | {s['kl_2nd_half']:.4f} | {s['adjusts']} | {s['beta_end']:.4g} |")
+    plot(mon.kl_low, mon.kl_high, args.plot)
+    print(f"plot: {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
