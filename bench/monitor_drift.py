@@ -6,7 +6,8 @@
 The drift: arith_tiny.yaml with a fixed beta (no controller to hold the KL) and an actor learning
 rate 10x the default's. Both runs are the same command but for trainer.kl_monitor.kl_band_action:
 `warn` only says that the KL left the band [kl_low, kl_high]; `adjust` applies the KL-tuning
-article's remedy for a high KL, kl_coef x 1.5 (at most every 5 steps, never above 1.0). The table
+article's remedy for a high KL with the default rule, kl_coef x 1.5 (at most every 5 steps, never
+above 1.0). The table
 gives, for each run, the first step the KL left the band upward, the step it was back inside
 (adjust) and what fraction of the steps after that stayed inside; the plot, the KL of both runs
 against the band, and beta.
@@ -29,6 +30,10 @@ def rows(name):
     return [json.loads(line) for line in open(OUT / name / "metrics.jsonl") if line.strip()]
 
 
+def moving_mean(values, n=10):
+    return [sum(values[max(0, i - n + 1):i + 1]) / len(values[max(0, i - n + 1):i + 1]) for i in range(len(values))]
+
+
 def summary(rs, low, high):
     kl = [(r["training/global_step"], r["actor/reward_kl_penalty"]) for r in rs if "actor/reward_kl_penalty" in r]
     left = next((s for s, k in kl if k > high), None)
@@ -39,7 +44,9 @@ def summary(rs, low, high):
     half = [k for s, k in kl if s > len(kl) // 2]
     adjusts = sum(1 for r in rs if "monitor/adjust/kl_coef" in r)
     beta = [r["actor/reward_kl_penalty_coeff"] for r in rs if "actor/reward_kl_penalty_coeff" in r]
-    return {"left": left, "back": back, "inside_after": inside, "kl_2nd_half": sum(half) / len(half),
+    ma = moving_mean([k for _, k in kl])
+    back10 = next((kl[i][0] for i in range(9, len(kl)) if all(low <= m <= high for m in ma[i:])), None)
+    return {"left": left, "back": back, "back10": back10, "inside_after": inside, "kl_2nd_half": sum(half) / len(half),
             "adjusts": adjusts, "beta_end": beta[-1]}
 
 
@@ -72,21 +79,24 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", action="store_true", help="re-print and re-plot the runs already in runs/monitor_drift")
     p.add_argument("--plot", default=str(ROOT / "bench" / "monitor_drift.png"))
+    p.add_argument("--only", choices=["warn", "adjust"], help="run only this one (the other from runs/monitor_drift)")
     args = p.parse_args()
     if not args.report:
-        for name in ("warn", "adjust"):
+        for name in [args.only] if args.only else ["warn", "adjust"]:
             cmd = [sys.executable, str(ROOT / "train_ppo.py"), *DRIFT, f"trainer.kl_monitor.kl_band_action={name}",
                    f"trainer.default_local_dir={OUT / name}", "trainer.resume_mode=disable"]
             print(" ".join(cmd[1:]), file=sys.stderr)
             subprocess.run(cmd, check=True, cwd=ROOT)
     from nanokl.harness.config import load_config
     mon = load_config(ROOT / "configs" / "arith_tiny.yaml").trainer.kl_monitor
-    print(f"| kl_band_action | first step above {mon.kl_high} | back in the band for good at | share of later steps "
-          f"in the band | mean KL, steps 76-150 | kl_coef adjustments | beta at the end |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| kl_band_action | first step above {mon.kl_high} | every later step in the band from | 10-step mean KL "
+          f"in the band from | share of later steps in the band | mean KL, steps 76-150 | kl_coef adjustments | "
+          f"beta at the end |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in ("warn", "adjust"):
         s = summary(rows(name), mon.kl_low, mon.kl_high)
         print(f"| {name} | {s['left']} | {s['back'] if s['back'] is not None else 'never'} | "
+              f"{s['back10'] if s['back10'] is not None else 'never'} | "
               f"{s['inside_after']:.2f} | {s['kl_2nd_half']:.4f} | {s['adjusts']} | {s['beta_end']:.4g} |")
     plot(mon.kl_low, mon.kl_high, args.plot)
     print(f"plot: {args.plot}", file=sys.stderr)
