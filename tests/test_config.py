@@ -139,19 +139,25 @@ def test_arith_tiny_loads_what_the_file_says():
     assert isinstance(a.optim.lr, float)
 
 
-@pytest.mark.parametrize("path, kl_ctrl, band, name", [
-    (CONSERVATIVE, ("adaptive", 0.002, 5000, 0.03), (0.01, 0.05), "arith_tiny_conservative"),
-    (AGGRESSIVE, ("adaptive", 0.0005, 20000, 0.1), (0.05, 0.15), "arith_tiny_aggressive"),
+@pytest.mark.parametrize("path, kl_ctrl, band, name, actions", [
+    (CONSERVATIVE, ("adaptive", 0.002, 5000, 0.03), (0.01, 0.05), "arith_tiny_conservative",
+     ("adjust", "adjust", "adjust", "adjust", "rollback", "reference")),
+    (AGGRESSIVE, ("adaptive", 0.0005, 20000, 0.1), (0.05, 0.15), "arith_tiny_aggressive",
+     ("warn", "warn", "adjust", "adjust", "rollback", "fixed_kl")),
 ])
-def test_presets_sit_over_arith_tiny(path, kl_ctrl, band, name):
+def test_presets_sit_over_arith_tiny(path, kl_ctrl, band, name, actions):
     cfg = load_config(path)
     k = cfg.algorithm.kl_ctrl
     assert (k.type, k.kl_coef, k.horizon, k.target_kl) == kl_ctrl
-    assert (cfg.trainer.kl_monitor.kl_low, cfg.trainer.kl_monitor.kl_high) == band
+    m = cfg.trainer.kl_monitor
+    assert (m.kl_low, m.kl_high) == band
+    assert (m.kl_band_action, m.kl_var_action, m.entropy_action, m.collapse_action, m.kl_stop_action,
+            m.rollback_recipe) == actions
     assert cfg.trainer.experiment_name == name
     # Everything the preset does not mention is arith_tiny's, siblings of merged sections included.
     tiny = load_config(TINY)
-    assert cfg.trainer.kl_monitor.kl_stop_action == tiny.trainer.kl_monitor.kl_stop_action == "warn"
+    assert m.entropy_min == tiny.trainer.kl_monitor.entropy_min == 0.05
+    assert m.reward_var_action == tiny.trainer.kl_monitor.reward_var_action == "warn"
     assert cfg.trainer.logger == ["console", "jsonl"]
     assert cfg.data == tiny.data and cfg.actor_rollout_ref == tiny.actor_rollout_ref
     assert cfg.sft == tiny.sft and cfg.critic == tiny.critic
