@@ -7,7 +7,8 @@ The drift: arith_tiny.yaml with a fixed beta (no controller to hold the KL) and 
 rate 10x the default's. Both runs are the same command but for trainer.kl_monitor.kl_band_action:
 `warn` only says that the KL left the band [kl_low, kl_high]; `adjust` applies the KL-tuning
 article's remedy for a high KL with the default rule, kl_coef x 1.5 (at most every 5 steps, never
-above 1.0). The table
+above 1.0). A third run, `adjust_lr`, adjusts the knob that causes the drift instead:
+kl_high_adjust = {knob: actor_lr, factor: 0.5, limit: 1e-5}. The table
 gives, for each run, the first step the KL left the band upward, the step it was back inside
 (adjust) and what fraction of the steps after that stayed inside; the plot, the KL of both runs
 against the band, and beta.
@@ -21,6 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "monitor_drift"
+RUNS = {"warn": ["trainer.kl_monitor.kl_band_action=warn"],
+        "adjust": ["trainer.kl_monitor.kl_band_action=adjust"],
+        "adjust_lr": ["trainer.kl_monitor.kl_band_action=adjust",
+                      "trainer.kl_monitor.kl_high_adjust={knob: actor_lr, factor: 0.5, limit: 1.0e-5}"]}
 DRIFT = ["algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0.05", "actor_rollout_ref.actor.optim.lr=2e-4",
          "trainer.total_training_steps=150", "trainer.test_freq=-1", "trainer.val_before_train=false",
          "trainer.save_freq=-1", "trainer.kl_monitor.enable=true", "trainer.logger=[jsonl]"]
@@ -42,7 +47,7 @@ def summary(rs, low, high):
     after = [k for s, k in kl if left is not None and s > left]
     inside = sum(low <= k <= high for k in after) / max(1, len(after))
     half = [k for s, k in kl if s > len(kl) // 2]
-    adjusts = sum(1 for r in rs if "monitor/adjust/kl_coef" in r)
+    adjusts = sum(1 for r in rs if any(k.startswith("monitor/adjust/") for k in r))
     beta = [r["actor/reward_kl_penalty_coeff"] for r in rs if "actor/reward_kl_penalty_coeff" in r]
     ma = moving_mean([k for _, k in kl])
     back10 = next((kl[i][0] for i in range(9, len(kl)) if all(low <= m <= high for m in ma[i:])), None)
@@ -56,18 +61,19 @@ def plot(low, high, path):
     import matplotlib.pyplot as plt
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
     ax.axhspan(low, high, color="green", alpha=0.12, label=f"healthy band [{low}, {high}]")
-    for name, color in (("warn", "tab:red"), ("adjust", "tab:blue")):
+    for name, color in (("warn", "tab:red"), ("adjust", "tab:blue"), ("adjust_lr", "tab:green")):
         rs = rows(name)
         steps = [r["training/global_step"] for r in rs if "actor/reward_kl_penalty" in r]
+        label = {"warn": "warn", "adjust": "adjust: kl_coef x1.5", "adjust_lr": "adjust: actor_lr x0.5"}[name]
         ax.plot(steps, [r["actor/reward_kl_penalty"] for r in rs if "actor/reward_kl_penalty" in r], color=color,
-                label=f"kl_band_action={name}")
+                label=label, lw=1)
         bx.plot(steps, [r["actor/reward_kl_penalty_coeff"] for r in rs if "actor/reward_kl_penalty_coeff" in r],
                 color=color)
         marks = [r["training/global_step"] for r in rs if "monitor/adjust/kl_coef" in r]
         bx.plot(marks, [r["monitor/adjust/kl_coef"] for r in rs if "monitor/adjust/kl_coef" in r], "o", color=color,
                 ms=4)
     ax.set_ylabel("KL per token")
-    ax.set_title("actor lr 2e-4 (10x), fixed beta: the monitor warns, or adjusts kl_coef x1.5")
+    ax.set_title("actor lr 2e-4 (10x), fixed beta 0.05: the monitor warns, or adjusts a knob")
     ax.legend()
     bx.set_ylabel("beta (dots: adjustments)")
     bx.set_xlabel("PPO step")
@@ -79,21 +85,21 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", action="store_true", help="re-print and re-plot the runs already in runs/monitor_drift")
     p.add_argument("--plot", default=str(ROOT / "bench" / "monitor_drift.png"))
-    p.add_argument("--only", choices=["warn", "adjust"], help="run only this one (the other from runs/monitor_drift)")
+    p.add_argument("--only", choices=list(RUNS), help="run only this one (the others from runs/monitor_drift)")
     args = p.parse_args()
     if not args.report:
-        for name in [args.only] if args.only else ["warn", "adjust"]:
-            cmd = [sys.executable, str(ROOT / "train_ppo.py"), *DRIFT, f"trainer.kl_monitor.kl_band_action={name}",
+        for name in [args.only] if args.only else list(RUNS):
+            cmd = [sys.executable, str(ROOT / "train_ppo.py"), *DRIFT, *RUNS[name],
                    f"trainer.default_local_dir={OUT / name}", "trainer.resume_mode=disable"]
             print(" ".join(cmd[1:]), file=sys.stderr)
             subprocess.run(cmd, check=True, cwd=ROOT)
     from nanokl.harness.config import load_config
     mon = load_config(ROOT / "configs" / "arith_tiny.yaml").trainer.kl_monitor
-    print(f"| kl_band_action | first step above {mon.kl_high} | every later step in the band from | 10-step mean KL "
-          f"in the band from | share of later steps in the band | mean KL, steps 76-150 | kl_coef adjustments | "
+    print(f"| run | first step above {mon.kl_high} | every later step in the band from | 10-step mean KL "
+          f"in the band from | share of later steps in the band | mean KL, steps 76-150 | adjustments | "
           f"beta at the end |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in ("warn", "adjust"):
+    for name in RUNS:
         s = summary(rows(name), mon.kl_low, mon.kl_high)
         print(f"| {name} | {s['left']} | {s['back'] if s['back'] is not None else 'never'} | "
               f"{s['back10'] if s['back10'] is not None else 'never'} | "
