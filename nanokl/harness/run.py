@@ -44,6 +44,7 @@ from tqdm import tqdm
 from nanokl import dist
 from nanokl.advantages import ESTIMATORS
 from nanokl.batching import Batching
+from nanokl.harness import remedies
 from nanokl.harness.checkpoint import (CheckpointWriteError, latest_checkpoint, load_state, rng_state,
                                       save_checkpoint, set_rng_state, verify_checkpoint)
 from nanokl.harness.config import config_to_dict, save_config
@@ -53,7 +54,6 @@ from nanokl.harness.faults import Preemption, catch_preemption, inject
 from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
-from nanokl.harness import remedies
 from nanokl.harness.monitor import CHECKS, KLMonitor
 from nanokl.harness.scoring import validate
 from nanokl.harness.tokenizer import load_tokenizer
