@@ -68,7 +68,8 @@ def set_knob(run, knob, old, new):
         if alg.use_kl_in_reward:
             run.kl_ctrl.value = new
         if a.use_kl_loss:
-            run.kl_loss_ctrl.value = new if not alg.use_kl_in_reward else run.kl_loss_ctrl.value * new / old
+            scaled = alg.use_kl_in_reward and old  # from 0 there is no ratio: both take the new value
+            run.kl_loss_ctrl.value = run.kl_loss_ctrl.value * new / old if scaled else new
     elif knob == "target_kl":
         run.kl_ctrl.scale *= new / old
         run.kl_ctrl.target = new
