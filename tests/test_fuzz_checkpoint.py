@@ -1,21 +1,16 @@
-"""Fuzzed checkpoint directories: truncations, bit flips and deletions, with and without a manifest.
-
-See tests/fuzzing.py for the property every case must meet and how cases are generated
-deterministically; tests/test_fuzz_config.py, test_fuzz_data.py and test_fuzz_checkpoint.py cover
-the three families of readers.
+"""Fuzzed checkpoint directories (tests/fuzzing.py has the property): truncations, bit flips and
+deletions, with and without a manifest, read in the order a resume reads them.
 """
 
 import json
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 
-if not hasattr(signal, "SIGALRM"):
-    pytest.skip("the hang guard needs SIGALRM (POSIX)", allow_module_level=True)
-hypothesis = pytest.importorskip("hypothesis")
+# first: importing it skips this module where there is no SIGALRM or no hypothesis
+from fuzzing import OFFSETS, fuzz, outcome, time_limit, tiny_tokenizer
 
 import torch  # noqa: E402
 from hypothesis import example, given  # noqa: E402
@@ -27,7 +22,6 @@ from nanokl.harness.config_io import UserError  # noqa: E402
 from nanokl.harness.hf_format import from_pretrained, load_value_model  # noqa: E402
 from nanokl.harness.tokenizer import load_tokenizer  # noqa: E402
 from nanokl.model import CausalLM, ModelConfig, ValueModel, init_weights  # noqa: E402
-from fuzzing import OFFSETS, fuzz, outcome, time_limit, tiny_tokenizer  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # 3. Checkpoint directories: truncations, bit flips, deletions; with and without a manifest

@@ -1,22 +1,18 @@
-"""Fuzzed data files: prompt/GSM8K, logged-response and preference readers, JSONL, JSON and Parquet.
-
-See tests/fuzzing.py for the property every case must meet and how cases are generated
-deterministically; tests/test_fuzz_config.py, test_fuzz_data.py and test_fuzz_checkpoint.py cover
-the three families of readers.
+"""Fuzzed data files (tests/fuzzing.py has the property): the prompt/GSM8K, logged-response and
+preference readers over JSONL, JSON arrays and Parquet, valid rows mutated and files damaged.
 """
 
 import contextlib
 import functools
 import json
-import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 
-if not hasattr(signal, "SIGALRM"):
-    pytest.skip("the hang guard needs SIGALRM (POSIX)", allow_module_level=True)
-hypothesis = pytest.importorskip("hypothesis")
+# first: importing it skips this module where there is no SIGALRM or no hypothesis
+from fuzzing import damaged, fuzz, ints, outcome, pick, tiny_tokenizer
+
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
@@ -29,7 +25,6 @@ from nanokl.harness.data import read_examples, verl_row_to_example  # noqa: E402
 from nanokl.harness.logged import read_logged  # noqa: E402
 from nanokl.supervised.preference_data import read_preferences  # noqa: E402
 from nanokl.tasks import TASKS  # noqa: E402
-from fuzzing import damaged, fuzz, ints, outcome, pick, tiny_tokenizer  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # 2. Data readers: prompts (verl rows, raw GSM8K), logged responses, preferences
