@@ -56,7 +56,7 @@ from nanokl.rollout import generate  # noqa: E402
 from nanokl.tasks import TASKS  # noqa: E402
 
 ACC = "val-core/arith/acc/mean@1"
-TRL_DEFAULT = "lr=2e-5,gens=8,beta=0.04"  # the grid's choice on `val` (bench/RESULTS.md)
+TRL_DEFAULT = "lr=2e-5,gens=8,beta=0.04,temp=1.0"  # the grid's choice on `val` (bench/RESULTS.md)
 
 
 def parse_setting(spec: str) -> tuple[str, list[str]]:
@@ -170,7 +170,7 @@ def race_trl(args, label, overrides, seed, sets):
     from trl import GRPOConfig, GRPOTrainer
 
     s = dict(kv.split("=") for kv in parse_setting(f"x:{TRL_DEFAULT}")[1] + overrides)
-    lr, gens, beta = float(s["lr"]), int(s["gens"]), float(s["beta"])
+    lr, gens, beta, temp = float(s["lr"]), int(s["gens"]), float(s["beta"]), float(s["temp"])
     cfg = base_config(args, [f"trainer.seed={seed}"])
     path = cfg.actor_rollout_ref.model.path
     score = TASKS["arith"].score
@@ -210,7 +210,7 @@ def race_trl(args, label, overrides, seed, sets):
 
     targs = GRPOConfig(output_dir=str(Path(args.out) / "trl_run"), per_device_train_batch_size=64, num_generations=gens,
                        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-                       max_completion_length=cfg.data.max_response_length, temperature=1.0, beta=beta,
+                       max_completion_length=cfg.data.max_response_length, temperature=temp, beta=beta,
                        learning_rate=lr, lr_scheduler_type="constant", max_steps=1_000_000, logging_steps=1,
                        save_strategy="no", report_to=[], use_cpu=True, bf16=False, disable_tqdm=True, seed=seed,
                        data_seed=seed, dataloader_num_workers=0, gradient_checkpointing=False)
