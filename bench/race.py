@@ -3,6 +3,7 @@
     python bench/race.py                                  # nanokl's default vs TRL's chosen setting, 1 seed
     python bench/race.py --seeds 42,43,44 --plot bench/race.png
     python bench/race.py --no-nanokl --trl g4_lr2e-5:lr=2e-5,gens=4 --trl g8_lr5e-5:lr=5e-5,gens=8 --horizon 1
+    python bench/race.py --no-nanokl --trl g8_t06:temp=0.6 --horizon 1    # TRL gets nanokl's sampling temperature too
     python bench/race.py --nanokl rloo:algorithm.adv_estimator=rloo,actor_rollout_ref.rollout.n=4 --no-trl
     python bench/race.py --tiny --model DIR               # seconds, no TRL: the test suite's mode
 
@@ -164,7 +165,8 @@ def race_nanokl(args, label, overrides, seed, sets):
 
 
 def race_trl(args, label, overrides, seed, sets):
-    """TRL's GRPOTrainer: `gens` completions per prompt, 64 completions per step, KL loss at `beta`."""
+    """TRL's GRPOTrainer: `gens` completions per prompt, 64 completions per step, KL loss at `beta`, sampling
+    (and, as TRL does, every log-prob) at temperature `temp`."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -327,7 +329,7 @@ def main(argv=None):
     ap.add_argument("--seeds", default="42", help="comma list; nanokl's trainer.seed, TRL's seed")
     ap.add_argument("--nanokl", action="append", default=None, metavar="LABEL[:key=v,...]",
                     help="a nanokl setting (repeatable); default: the config's default")
-    ap.add_argument("--trl", action="append", default=None, metavar="LABEL[:lr=..,gens=..,beta=..]",
+    ap.add_argument("--trl", action="append", default=None, metavar="LABEL[:lr=..,gens=..,beta=..,temp=..]",
                     help=f"a TRL setting (repeatable); default: {TRL_DEFAULT}")
     ap.add_argument("--no-nanokl", action="store_true")
     ap.add_argument("--no-trl", action="store_true")
