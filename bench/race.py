@@ -289,7 +289,8 @@ def table(results, budget) -> str:
         for (side, label), g in groups.items():
             med = {k: statistics.median(x[k] for x in g if x[k] is not None) if any(x[k] is not None for x in g)
                    else float("nan") for k in ("acc1", "acc2", "kl_train", "kl_probe", "s_per_step")}
-            lines.append(f"| {side} | {label} | {len(g)} | {med['acc1']:.3f} | {med['acc2']:.3f} | "
+            acc2 = "-" if med["acc2"] != med["acc2"] else f"{med['acc2']:.3f}"  # nan: no run reached 2x
+            lines.append(f"| {side} | {label} | {len(g)} | {med['acc1']:.3f} | {acc2} | "
                          f"{med['kl_train']:.4f} | {med['kl_probe']:.4f} | {med['s_per_step']:.3f} |")
     return "\n".join(lines)
 

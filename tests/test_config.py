@@ -156,7 +156,7 @@ def test_presets_sit_over_arith_tiny(path, kl_ctrl, band, name, actions):
     assert cfg.trainer.experiment_name == name
     # Everything the preset does not mention is arith_tiny's, siblings of merged sections included.
     tiny = load_config(TINY)
-    assert m.entropy_min == tiny.trainer.kl_monitor.entropy_min == 0.05
+    assert m.entropy_min == tiny.trainer.kl_monitor.entropy_min == 0.025
     assert m.reward_var_action == tiny.trainer.kl_monitor.reward_var_action == "warn"
     assert cfg.trainer.logger == ["console", "jsonl"]
     assert cfg.data == tiny.data and cfg.actor_rollout_ref == tiny.actor_rollout_ref
@@ -309,3 +309,19 @@ def test_run_cli_passes_through_a_normal_return_and_real_bugs():
     assert run_cli(lambda x: x + 1, 1) == 2
     with pytest.raises(ZeroDivisionError):  # a bug is not the user's mistake: keep its traceback
         run_cli(lambda: 1 / 0)
+
+
+@pytest.mark.parametrize("name", ["arith_rm", "offline_ppo", "offline_dpo", "grpo_arith"])
+def test_measured_configs_keep_temperature_1_under_arith_tiny_at_0_6(name):
+    """arith_tiny samples at 0.6 (the race's choice). The configs built on it keep what their README figures
+    were measured with: temperature 1 (the offline ones score logged temperature-1 samples, so every log-prob
+    must be taken there), and the KL band and entropy floor around a target of 0.05."""
+    tiny = load_config(TINY)
+    assert tiny.actor_rollout_ref.rollout.temperature == 0.6 and tiny.algorithm.kl_ctrl.target_kl == 0.07
+    assert (tiny.trainer.kl_monitor.kl_low, tiny.trainer.kl_monitor.kl_high) == (0.03, 0.11)
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    m = cfg.trainer.kl_monitor
+    assert cfg.actor_rollout_ref.rollout.temperature == 1.0
+    assert (m.kl_low, m.kl_high, m.entropy_min) == (0.02, 0.08, 0.05)
+    if cfg.algorithm.kl_ctrl.type == "adaptive":
+        assert cfg.algorithm.kl_ctrl.target_kl == 0.05

@@ -88,8 +88,8 @@ def test_bad_choice_lists_the_valid_ones(override, expected):
     ("actor_rollout_ref.actor.optim.lr=-1e-5", "actor_rollout_ref.actor.optim.lr"),
     ("actor_rollout_ref.actor.optim.betas=[0.9, 1.0]", "actor_rollout_ref.actor.optim.betas"),
     ("trainer.save_freq=0", "trainer.save_freq"),
-    ("trainer.kl_monitor.kl_low=0.09", "trainer.kl_monitor.kl_low (0.09) must be below kl_high (0.08)"),
-    ("trainer.kl_monitor.kl_high=0.02", "trainer.kl_monitor.kl_low (0.02) must be below kl_high (0.02)"),
+    ("trainer.kl_monitor.kl_low=0.12", "trainer.kl_monitor.kl_low (0.12) must be below kl_high (0.11)"),
+    ("trainer.kl_monitor.kl_high=0.03", "trainer.kl_monitor.kl_low (0.03) must be below kl_high (0.03)"),
     ("trainer.kl_monitor.kl_low=-0.01", "trainer.kl_monitor.kl_low"),
     ("trainer.kl_monitor.kl_stop=0", "trainer.kl_monitor.kl_stop"),
     ("trainer.kl_monitor.kl_stop_patience=0", "trainer.kl_monitor.kl_stop_patience"),
@@ -120,7 +120,8 @@ def test_bypass_mode_true_needs_log_probs_at_the_training_temperature():
     greedy = ["actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.temperature=0.7"]
     msg = error_of(load_config, TINY, ["algorithm.rollout_correction.bypass_mode=true", *greedy])
     assert "algorithm.rollout_correction.bypass_mode=true" in msg and "temperature (0.7)" in msg
-    for ok in (["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.do_sample=false"],
+    for ok in (["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.do_sample=false",
+                "actor_rollout_ref.rollout.temperature=1.0"],
                ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.temperature=0.7"],
                ["algorithm.rollout_correction.bypass_mode=auto", *greedy],
                ["algorithm.rollout_correction.bypass_mode=false", *greedy]):
