@@ -328,7 +328,7 @@ def coerce(value, tp, key: str, universe: list[str] | None = None):
     if origin is Literal:
         if any(type(value) is type(a) and value == a for a in args):
             return value
-        raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}; got {value!r}", keys=key)
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}; got {_show(value)}", keys=key)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} expects {type_name(tp)}, got {_show(value)}", keys=key)
@@ -347,7 +347,10 @@ def coerce(value, tp, key: str, universe: list[str] | None = None):
         return value
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int past float's range (~1.8e308): refused below
+                pass
         if isinstance(value, str):  # YAML 1.1 reads `1e-6` as a string; take it as the float it spells
             try:
                 return float(value)
@@ -374,7 +377,10 @@ def type_name(tp) -> str:
 
 
 def _show(value) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit limit on int -> str (YAML reads any length)
+        text = f"<an integer of {value.bit_length()} bits>"
     text = text if len(text) <= 60 else text[:57] + "..."
     return f"{text} ({type(value).__name__})"
 
