@@ -59,14 +59,6 @@ unbiased (GRPO's group mean includes s_i, which shrinks every advantage by (k−
 division by the std rescales prompts by how much their scores vary). There is no std
 normalisation. A group of size one has no other response: its advantage is its own score (verl's
 `compute_rloo_outcome_advantage` does the same). Like GRPO, the returns are the advantages.
-
-How the tests prove it (tests/test_advantages.py)
-------------------------------------------
-GAE equals a float64 per-sequence python loop that first compresses each row to its real
-tokens; with γ = λ = 1, returns equal the Monte Carlo return-to-go; whitening with the summed
-moments of a 2-way split equals whitening the whole batch; GRPO equals a per-group manual
-computation with python lists, including a group of size one and norm_adv_by_std=False; RLOO
-equals a per-group python loop over the other responses' scores.
 """
 
 from typing import Callable, NamedTuple

@@ -220,7 +220,10 @@ def full_tensors(model):
 
 @torch.no_grad()
 def sync_rollout_weights(rollout_model, actor):
-    """Copy the actor's current weights into the rollout copy, in place (its graphs stay valid)."""
+    """Copy the actor's current weights into the rollout copy, in place (its graphs stay valid).
+    Nothing to do where the rollout runs the actor itself (a plain CPU actor, a DDP replica)."""
+    if rollout_model is unwrap(actor):
+        return
     for (name, full), (rname, p) in zip(full_tensors(actor), rollout_model.named_parameters()):
         assert name == rname, (name, rname)
         p.copy_(full)

@@ -47,21 +47,14 @@ instead; we follow the paper, so one h means the same thing in both losses).
 What nanokl simplifies: no label smoothing (conservative DPO), no reference-free variant, no
 other loss types; the caller (nanokl/workers.py) aggregates the per-pair losses as their sum
 over the global pair count, with micro-batches that hold whole pairs (rows 2k, 2k+1).
-
-How the tests prove it (tests/test_dpo.py)
-------------------------------------------
-Both losses and their gradients with respect to all four inputs equal float64 closed forms
-written by hand, including β h = ±50 where the naive log(1 + exp(−βh)) overflows; the metrics
-equal python loops; sequence_log_probs equals a python loop with NaN/inf under the mask. And
-the claim above, numerically: on a one-prompt bandit with 4 responses and Bradley-Terry
-preferences in true rewards r, minimising the exact expected DPO loss over the policy's logits
-recovers π* ∝ π_ref exp(r/β) (log π/π_ref − r/β constant across responses).
 """
 
 import torch
 import torch.nn.functional as F
 
 from nanokl.masked import masked_sum
+from nanokl.ppo import logprobs_from_logits
+from nanokl.workers import autocast, ppo_epochs, response_logits
 
 DPO_LOSSES = ("sigmoid", "ipo")
 
@@ -101,3 +94,26 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, los
             "dpo/reward_accuracy": (chosen_reward > rejected_reward).to(chosen_reward.dtype).sum(),
         }
     return losses, metrics
+
+
+def update_policy(actor, opt, batch, a, temperature, *, mini_size, spec, generator=None, beta):
+    """DPO's update on logged pairs: `a.ppo_epochs` passes in mini-batches of `mini_size` responses,
+    the loss `a.loss_mode` ("dpo": sigmoid, "ipo"), rows 2k and 2k+1 the (chosen, rejected) responses
+    of one prompt; a micro-batch holds whole pairs (config_rules). The batch needs ref_log_probs;
+    `beta` is the KL coefficient (algorithm.kl_ctrl). Returns lists of per-mini-batch metrics."""
+    loss_type = {"dpo": "sigmoid", "ipo": "ipo"}[a.loss_mode]
+
+    def micro_loss(mb, norm):  # norm: the mini-batch's responses over all ranks, so the loss is a mean over pairs
+        mask = mb["response_mask"]
+        with autocast(mask.device):
+            logits = response_logits(actor, mb, temperature, spec.packed)
+        seq = sequence_log_probs(logprobs_from_logits(logits, mb["responses"]), mask)
+        ref = sequence_log_probs(mb["ref_log_probs"], mask)
+        losses, m = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta, loss_type)
+        pairs = norm / 2
+        loss = losses.sum() / pairs
+        sums = {f"actor/{k.replace('/', '_')}": v / pairs for k, v in m.items()}
+        return loss, {"actor/dpo_loss": loss.detach(), **sums}, {}
+
+    return ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, False, a.grad_clip, "seq-mean-token-sum",
+                      micro_loss, "actor", generator)

@@ -51,20 +51,7 @@ measurement; README.md shows what it did on the arithmetic task. The trainer cal
 "lower target_kl" remedy changes it, nanokl/harness/monitor.py) and is saved with β.
 
 Mirrors verl's `AdaptiveKLController`, `FixedKLController` and `get_kl_controller`
-(verl/trainer/ppo/core_algos.py). Where nanokl differs from verl: β must stay positive. verl
-accepts any coefficient and any horizon; here an adaptive β must start > 0 (a multiplicative
-update could never leave 0), a fixed one must be >= 0, and an update whose multiplier would reach
-0 or below (n_steps/horizon >= 5) raises instead of flipping β's sign, which would turn the
-penalty into a bonus for drifting away. Our other additions: `state_dict()`/`load_state_dict()`
-with plain python floats (the hyper-parameters come from the config, only β is state), and input
-validation with readable errors.
-
-How the tests prove it (tests/test_kl_ctrl.py)
-----------------------------------------------
-A sequence of updates equals the closed-form product β_0 Π (1 + clip(...)·n/H) computed in
-the test, with the error visibly clipped at ±0.2; in a toy closed loop where the measured KL
-is c/β, β converges until the KL is within 5% of target; a state_dict loaded into a fresh
-controller produces the same future trajectory; bad configs raise ValueError.
+(verl/trainer/ppo/core_algos.py). Differs from verl: see README, 'Where nanokl differs from verl'.
 """
 
 
@@ -84,7 +71,8 @@ def target_at(schedule, fraction: float, interp: str = "step") -> float:
 
 
 class FixedKLController:
-    """β stays at kl_coef; `update` is a no-op so the training loop needs no special case."""
+    """β stays at kl_coef; `update` is a no-op so the training loop needs no special case.
+    Differs from verl: see README, 'Where nanokl differs from verl'."""
     kind = "fixed"
 
     def __init__(self, kl_coef: float):
@@ -107,7 +95,8 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Proportional controller of Ziegler et al. 2019; `value` is the current β, `target` the KL it
-    steers toward (scale * the schedule's target at the fraction of training last followed)."""
+    steers toward (scale * the schedule's target at the fraction of training last followed).
+    Differs from verl: see README, 'Where nanokl differs from verl'."""
     kind = "adaptive"
 
     def __init__(self, init_kl_coef: float, target_kl, horizon: float, interp: str = "step"):

@@ -2,94 +2,61 @@
 
 The offline setting
 -------------------
-Online PPO samples every batch from the policy it trains. Offline ("logged") RLHF trains from a
-file of (prompt, response) pairs that some behaviour policy μ sampled earlier (the warm start,
-an older checkpoint, a vLLM rollout that dumped its per-token log-probs) and samples nothing in
-the loop. The rest of the PPO step is unchanged: score, forwards, the KL in the reward, the
-advantages, the clipped update. What changes is whose expectation the loss estimates.
+Offline ("logged") RLHF trains from (prompt, response) pairs that a behaviour policy μ sampled
+earlier (the warm start, an older checkpoint, a vLLM rollout with its log-probs) and samples
+nothing in the loop. The PPO step is unchanged but for whose expectation the loss estimates.
 
 The decoupled objective (Hilton, Cobbe, Schulman 2021, "Batch size-invariance for policy
 optimization", arXiv:2110.00641)
 -------------------------------------------------------------------------------------------
-At the start of each step the trainer recomputes the log-probs of the current policy on the
-logged tokens: that is π_old, the *proximal* policy, as in verl. PPO's surrogate is an
-expectation over responses of π_old; the data come from μ. Importance sampling rewrites
+Each step recomputes the current policy's log-probs on the logged tokens: that is π_old, the
+*proximal* policy, as in verl. PPO's surrogate is an expectation under π_old; the data come from
+μ. Importance sampling rewrites
 
     E_{y~π_old}[ Σ_t f_t ] = E_{y~μ}[ Σ_t (Π_{s≤t} π_old(y_s)/μ(y_s)) f_t ],
 
-and keeping only the ratio of token t itself (see bias (c) below) gives decoupled PPO:
+and keeping only token t's own ratio (see bias (c) below) gives decoupled PPO:
 
     J(θ) = E_{y~μ}[ Σ_t w_t · min(ρ_t A_t, clip(ρ_t, 1 − ε, 1 + ε) A_t) ],
     ρ_t = π_θ(y_t)/π_old(y_t),     w_t = min(π_old(y_t)/μ(y_t), C).
 
-Two ratios, two jobs. ρ is the trust region: the clip keeps π_θ near π_old whatever μ was. w is
-the off-policy correction: how much more (or less) likely π_old makes this token than μ did.
-w is computed from π_old, not π_θ: it is a constant within the step (no gradient flows through
-it), so the clip alone still bounds how far the epochs move. Put π_θ/μ inside one clip instead
-and, with μ far from π, every token would sit outside the band and nothing would learn. At θ =
-θ_old the gradient is Σ_t w_t A_t ∇log π_θ(y_t): the policy gradient under π_old, estimated
-from μ's samples.
+ρ is the trust region: the clip keeps π_θ near π_old whatever μ was. w, the off-policy correction,
+is a constant within the step (no gradient), so the clip alone bounds the epochs; with π_θ/μ inside
+one clip, a μ far from π would put every token outside the band. At θ = θ_old the gradient is
+Σ_t w_t A_t ∇log π_θ(y_t). Per token and truncated: the product of t ratios has a variance that
+grows exponentially with the length, the per-token ratio a bounded one where π_old ≈ μ, and
+capping it at C (truncated IS, Ionides 2008, J. Comput. Graph. Stat. 17(2); verl's
+rollout_is=token, rollout_is_threshold=2.0) bounds every weight, biased where π_old/μ > C.
 
-Why per token, why truncated. The exact weight of token t is the product of t ratios; its
-variance grows exponentially with the length, so one long response would own the batch. The
-per-token ratio alone has bounded variance where π_old and μ are close, and capping it at C
-(truncated importance sampling, Ionides 2008, J. Comput. Graph. Stat. 17(2); verl's
-algorithm.rollout_correction.rollout_is=token with rollout_is_threshold, default 2.0) bounds
-every weight, and so the variance, at the price of a bias on tokens where π_old/μ > C.
-
-When it is ordinary PPO. With μ = π_old the log-ratio is exactly 0, exp(0) = 1 exactly, and
-min(1, C) = 1 for C ≥ 1 (hence C < 1 is refused): w = 1 on every real token and 1·x = x, so
-the loss and its gradient are bit for bit today's. Online nanokl with μ = the rollout's own
-log-probs is this case up to the inference engine's numerics, which the weights then correct.
-
-No logged log-probs: μ = π_ref. The logged responses of RLHF usually come from the SFT model,
-and that model is the reference; its log-probs are computed each step anyway (the ref forward),
-so the weight costs nothing, and at step 0 (π_old = π_ref) it is exactly 1. If the responses
-came from elsewhere, every weight is off by the factor μ_true/π_ref; truncation at C caps what
-one token can contribute. Log the behaviour log-probs when you can.
+Ordinary PPO is μ = π_old: exp(0) = 1 and min(1, C) = 1 for C ≥ 1 (C < 1 is refused), so w = 1 and
+the loss and gradient are bit for bit PPO's. Without logged log-probs take μ = π_ref: the SFT model
+that usually wrote the responses is the reference, whose log-probs are computed anyway, and w = 1
+at step 0. If the responses came from elsewhere every weight is off by μ_true/π_ref; truncation
+caps what one token can contribute. Log the behaviour log-probs when you can.
 
 The KL the controller sees
 --------------------------
-On logged tokens, the per-token estimates k(log π_old, log π_ref) of nanokl/kl.py (k1 = log π_old
-− log π_ref, k3, ...) average to a KL under μ, not under π: a plain mean of k1 estimates
-Σ μ log(π/π_ref), which is not a divergence at all (it can be negative). We reweight with the
-same truncated weights and normalise by their sum (self-normalised importance sampling, SNIS):
+On logged tokens the per-token estimates k(log π_old, log π_ref) of nanokl/kl.py average to a KL
+under μ, not π: a plain mean of k1 estimates Σ μ log(π/π_ref), not a divergence at all. We reweight
+with the same truncated weights, self-normalised (SNIS):
 
     num = Σ_i (1/n_i) Σ_t w_it k_it,    den = Σ_i (1/n_i) Σ_t w_it,    KL ≈ num / den,
 
 n_i the token count of response i. With w ≡ 1 this is the online definition, the mean over
-responses of each response's per-token mean; an empty response (n_i = 0) has no tokens and
-the weight of an empty product, 1, so it adds 0 to num and 1 to den, as it adds a 0 to the
-online mean. The sums add across ranks, so the caller all-reduces (num, den) and divides. Its
-biases, honestly:
-  (a) self-normalisation: num/den is a ratio of unbiased sums; consistent, O(1/N) bias.
+responses of per-token means; an empty response adds 0 to num and 1 to den, as it adds a 0 to the
+online mean. The sums add across ranks (all-reduce (num, den), then divide). Its biases:
+  (a) self-normalisation: a ratio of unbiased sums; consistent, O(1/N) bias.
   (b) truncation: at one position the estimate tends to
-          Σ_v μ(v) min(π(v)/μ(v), C) k(v) / Σ_v μ(v) min(π(v)/μ(v), C)
-      = E_π[g k] / E_π[g]  with g = min(1, Cμ/π),
-      so its bias is Cov_π(k, g)/E_π[g]. It is biased low when the tokens π now favours much
-      more than μ did (small g) are the high-KL ones, which is the usual case; for μ = π_ref
-      and k1 it is always so, since g = min(1, C·e^{−k1}) decreases with k1 (a covariance of
-      an increasing and a decreasing function of one variable is ≤ 0).
+          Σ_v μ(v) min(π(v)/μ(v), C) k(v) / Σ_v μ(v) min(π(v)/μ(v), C) = E_π[g k] / E_π[g],
+      g = min(1, Cμ/π), a bias of Cov_π(k, g)/E_π[g]: low when the tokens π now favours over μ
+      (small g) are the high-KL ones, the usual case; for μ = π_ref and k1 always, since
+      g = min(1, C·e^{−k1}) decreases with k1.
   (c) prefixes: a per-token weight corrects which token is drawn at a logged prefix, not which
-      prefixes (nor which lengths n_i) π would have reached; that needs the product of the
-      ratios along the prefix, whose variance explodes with the length. The sign of this bias
-      is not fixed in general: it depends on whether π's own prefixes are more or less
-      divergent from π_ref than μ's.
-For kl_penalty='full' (the exact KL over the vocabulary at each position) no token is sampled
-for the estimate, so no token weight is needed: pass weights of 1 on the real tokens; only (c)
-remains.
-
-How the tests check it (tests/test_offline.py)
----------------------------------------------
-The weights equal a float64 loop of min(exp(clamp(old − μ)), C) (truncation hit and not, NaN
-under the mask gives 0); the weighted policy loss equals a per-token loop branch by branch in
-all four loss_agg_modes, and its gradient the closed form −w·A·ρ (unclipped) or 0 (clipped);
-μ = π_old gives weights of exactly 1 and a loss and gradient torch.equal to the unweighted
-ones. On a categorical toy (8 tokens, 20000 draws from μ ≠ π) the SNIS k1 estimate matches the
-exact KL(π‖π_ref) within 4 delta-method standard errors without truncation, and the closed-form
-truncated limit with it (which lies > 10 SE below the KL), while the plain mean under μ is far
-off. weighted_kl with weights of 1 equals the online per-response mean; the IS metrics equal a
-python loop, and sums of two shards give the metrics of the whole.
+      prefixes (nor lengths) π would reach, which needs the exploding product of ratios; its sign
+      depends on whether π's own prefixes diverge from π_ref more or less than μ's.
+For kl_penalty='full' (the exact KL over the vocabulary) no token is sampled for the estimate:
+pass weights of 1 on the real tokens; only (c) remains. Differs from verl: see README, 'Where
+nanokl differs from verl'.
 """
 
 import torch
@@ -143,3 +110,9 @@ def weighted_kl(kl, weights, response_mask, reduce=lambda s: s):
     reduce(weighted_kl_sums(...)); pass reduce=dist.all_reduce to sum over ranks. A 0-d tensor."""
     num, den = reduce(weighted_kl_sums(kl, weights, response_mask)).unbind()
     return num / den.clamp(min=torch.finfo(den.dtype).tiny)
+
+
+def behaviour_log_probs(rollout_log_probs, ref_log_probs):
+    """μ's log-prob of each token: the sampler's where it is known, the reference's where it is NaN
+    (a logged file without log-probs: μ = π_ref, as the docstring argues)."""
+    return torch.where(torch.isnan(rollout_log_probs), ref_log_probs, rollout_log_probs)

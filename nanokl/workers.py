@@ -88,7 +88,6 @@ import torch
 
 from nanokl import dist
 from nanokl.batching import Batching, pack, split
-from nanokl.dpo import dpo_loss, sequence_log_probs
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean, zero_masked
 from nanokl.ppo import (agg_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
@@ -108,10 +107,17 @@ def autocast(device):
     return contextlib.nullcontext()
 
 
+def rollout_batch(out) -> dict:
+    """The training batch of a rollout (or of logged responses in a rollout's layout): the tensors
+    every forward reads. The step adds old/ref log-probs, values, weights and advantages to it."""
+    return {"sequences": out.sequences, "attention_mask": out.attention_mask, "position_ids": out.position_ids,
+            "responses": out.responses, "response_mask": out.response_mask}
+
+
 def take(batch: dict, idx) -> dict:
-    """The rows `idx` of every [N, ...] tensor of a batch."""
+    """The rows `idx` of every [N, ...] tensor of a batch (an absent entry, None, stays None)."""
     idx = torch.as_tensor(idx, dtype=torch.long, device=batch["responses"].device)
-    return {k: v[idx] for k, v in batch.items()}
+    return {k: None if v is None else v[idx] for k, v in batch.items()}
 
 
 def agreed_count(count):
@@ -205,6 +211,7 @@ def compute_full_kl(actor, ref, batch, temperature, spec=Batching()):
 
 @torch.no_grad()
 def compute_values(critic, batch, spec=Batching()):
+    """V(s_t) of each response token under the critic: [N, R]."""
     critic = dist.unwrap(critic)
     out = torch.zeros(batch["response_mask"].shape, device=batch["responses"].device)
     for rows, mb in forward_micro_batches(batch, spec):
@@ -283,105 +290,115 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
     return metrics
 
 
-def update_actor(actor, opt, batch, a, temperature, mini_size, spec=Batching(), generator=None, horizon=None, *,
-                 kl_loss_coef: float, ref=None, entropy_out=None, beta=None) -> dict:
-    """PPO epochs over the batch with the clipped policy loss (+ KL loss, - entropy bonus).
+def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(), generator=None, horizon=None,
+                 kl_loss_coef: float, ref=None, record_entropy=False):
+    """PPO epochs over the batch with the clipped policy loss (+ KL loss, − entropy bonus).
 
-    `a` is the config's actor_rollout_ref.actor; `batch` holds sequences, attention_mask,
-    position_ids, responses, response_mask, old_log_probs, advantages (and ref_log_probs when
-    a.use_kl_loss with a sampled-token kind); `mini_size` counts responses (ppo_mini_batch_size x
-    rollout.n). `kl_loss_coef` weighs the KL loss (the trainer's controller holds it, so a
-    rollback can raise it); `ref`, the reference model, is needed for a.kl_loss_type == "full",
-    whose loss is the exact KL from both models' logits with the gradient through the policy's.
-    Returns lists of per-mini-batch metric values under verl's names; with `full`, also
-    actor/kl_loss_k1 and actor/kl_loss_k3, the k1 and k3 estimates on the same tokens.
-
-    `entropy_out` ([N, R], optional) receives the entropy of each response token from the logits of
-    the first pass over its row (no gradient): the trainer's actor/entropy when the old log-probs
-    came from the rollout and no separate forward ran. With one mini-batch per step that is pi_old's
-    entropy exactly; later mini-batches see the policy after the earlier optimizer steps.
-
-    With `is_weights` in the batch (truncated importance weights min(pi_old / mu, C) of responses that
-    another policy mu sampled, nanokl/offline.py), each token's policy loss and KL loss are weighted.
-    With a.loss_mode "dpo" or "ipo" the loss is DPO's instead (`_pair_loss`; `beta`, the KL coefficient)."""
-    if a.loss_mode != "ppo":
-        return ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, False, a.grad_clip, "seq-mean-token-sum",
-                          _pair_loss(actor, a, temperature, spec, beta), "actor", generator)
+    `a` is the config's actor_rollout_ref.actor; `batch` holds the rollout tensors, old_log_probs,
+    advantages, is_weights (None, or the importance weights of responses another policy sampled,
+    nanokl/offline.py: they weigh each token's policy and KL loss) and ref_log_probs; `mini_size`
+    counts responses (ppo_mini_batch_size x rollout.n). `kl_loss_coef` weighs the KL loss (the
+    trainer's controller holds it, so a remedy can raise it); `ref`, the reference model, is needed
+    for kl_loss_type `full` (`exact_kl_loss`). Returns (lists of per-mini-batch metrics under verl's
+    names, entropy): with `record_entropy` the [N, R] entropy of each response token from the first
+    pass over its row (no extra forward: the trainer's actor/entropy when the old log-probs came from
+    the rollout), else None."""
     mode = a.loss_agg_mode
-    full = a.use_kl_loss and a.kl_loss_type == "full"
-    if full and ref is None:
-        raise ValueError("kl_loss_type='full' needs the reference model: update_actor(..., ref=ref)")
-    ref = dist.unwrap(ref) if full else None
-    if entropy_out is not None:  # which rows' entropy is recorded: the first pass over each row
-        batch = {**batch, "row": torch.arange(len(batch["responses"]), device=batch["responses"].device)}
-        seen = torch.zeros(len(batch["responses"]), dtype=torch.bool, device=entropy_out.device)
+    kl_loss = None
+    if a.use_kl_loss:
+        kl_loss = exact_kl_loss(ref, temperature, spec, mode, horizon) if a.kl_loss_type == "full" else \
+            sampled_kl_loss(a.kl_loss_type, mode, horizon)
+    first_pass = FirstPassEntropy(batch) if record_entropy else None
+    if first_pass is not None:
+        batch = {**batch, "row": first_pass.rows}
 
     def micro_loss(mb, norm):
         mask = mb["response_mask"]
-        with autocast(mb["sequences"].device):
+        with autocast(mask.device):
             logits = response_logits(actor, mb, temperature, spec.packed)
         logp = logprobs_from_logits(logits, mb["responses"])
-        if entropy_out is not None:
-            with torch.no_grad():
-                fresh = ~seen[mb["row"]]
-                if fresh.all():
-                    entropy_out[mb["row"]] = entropy_from_logits(logits)
-                elif fresh.any():
-                    entropy_out[mb["row"][fresh]] = entropy_from_logits(logits[fresh])
-                seen[mb["row"]] = True
-        weights = mb.get("is_weights")
+        if first_pass is not None:
+            first_pass.record(mb["row"], logits)
         pg_loss, m = compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
                                          a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon,
-                                         is_weights=weights)
+                                         is_weights=mb.get("is_weights"))
         loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}
         if a.entropy_coeff:
             loss = loss - a.entropy_coeff * agg_loss(entropy_from_logits(logits), mask, mode, norm, horizon)
-        if full:
-            with torch.no_grad():
-                with autocast(mb["sequences"].device):
-                    ref_logits = response_logits(ref, mb, temperature, spec.packed)
-                # log π_ref of the sampled tokens from these very logits, so k1/k3 and `full` share every number
-                ref_logp = logprobs_from_logits(ref_logits, mb["responses"])
-                for k in ("k1", "k3"):  # the estimators on the same tokens, beside the exact value
-                    sums[f"actor/kl_loss_{k}"] = agg_loss(kl_penalty(logp, ref_logp, k), mask, mode, norm, horizon)
-            kl_mat = kl_penalty(None, None, "full", logits, ref_logits)
-            del ref_logits  # nothing of the reference is needed by the backward
-        elif a.use_kl_loss:
-            kl_mat = kl_penalty(logp, mb["ref_log_probs"], a.kl_loss_type)
-        if a.use_kl_loss:
-            kl_loss = agg_loss(kl_mat if weights is None else weights * kl_mat, mask, mode, norm, horizon)
-            loss = loss + kl_loss_coef * kl_loss
-            sums["actor/kl_loss"] = kl_loss.detach()
+        if kl_loss is not None:
+            kl, kl_sums = kl_loss(mb, logits, logp, norm)
+            loss = loss + kl_loss_coef * kl
+            sums.update(kl_sums)
         return loss, sums, {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
 
     metrics = ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, a.shuffle, a.grad_clip, mode, micro_loss,
                          "actor", generator)
     if a.use_kl_loss:
         metrics["actor/kl_coef"].append(kl_loss_coef)
-    return metrics
+    return metrics, None if first_pass is None else first_pass.entropy
 
 
-def _pair_loss(actor, a, temperature, spec, beta):
-    """DPO's micro-batch loss (nanokl/dpo.py): rows 2k and 2k+1 are the (chosen, rejected) responses of
-    one prompt, and a micro-batch holds whole pairs (config_rules). `norm` counts the mini-batch's
-    responses over all ranks, so the loss is a mean over its pairs, whatever the micro-batching."""
-    loss_type = {"dpo": "sigmoid", "ipo": "ipo"}[a.loss_mode]
+def _weighted(kl_mat, mb):
+    return kl_mat if mb.get("is_weights") is None else mb["is_weights"] * kl_mat
 
-    def micro_loss(mb, norm):
+
+def sampled_kl_loss(kind, mode, horizon):
+    """The KL loss from the sampled tokens' log-probs (verl's use_kl_loss with kl_loss_type `kind`):
+    (mb, logits, logp, norm) -> (aggregated loss, its metric)."""
+    def kl_loss(mb, logits, logp, norm):
+        loss = agg_loss(_weighted(kl_penalty(logp, mb["ref_log_probs"], kind), mb), mb["response_mask"], mode, norm,
+                        horizon)
+        return loss, {"actor/kl_loss": loss.detach()}
+    return kl_loss
+
+
+def exact_kl_loss(ref, temperature, spec, mode, horizon):
+    """The exact KL(π‖π_ref) over the vocabulary as the loss (kl_loss_type `full`): the reference
+    runs on the same micro-batch and the gradient flows through the policy's logits only. Logs
+    actor/kl_loss_k1 and actor/kl_loss_k3, the estimators on the same tokens, beside it."""
+    if ref is None:
+        raise ValueError("kl_loss_type='full' needs the reference model: update_actor(..., ref=ref)")
+    ref = dist.unwrap(ref)
+
+    def kl_loss(mb, logits, logp, norm):
         mask = mb["response_mask"]
-        with autocast(mb["sequences"].device):
-            logits = response_logits(actor, mb, temperature, spec.packed)
-        seq = sequence_log_probs(logprobs_from_logits(logits, mb["responses"]), mask)
-        ref = sequence_log_probs(mb["ref_log_probs"], mask)
-        losses, m = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta, loss_type)
-        pairs = norm / 2
-        loss = losses.sum() / pairs
-        sums = {f"actor/{k.replace('/', '_')}": v / pairs for k, v in m.items()}
-        return loss, {"actor/dpo_loss": loss.detach(), **sums}, {}
-    return micro_loss
+        sums = {}
+        with torch.no_grad():
+            with autocast(mask.device):
+                ref_logits = response_logits(ref, mb, temperature, spec.packed)
+            # log π_ref of the sampled tokens from these very logits, so k1/k3 and `full` share every number
+            ref_logp = logprobs_from_logits(ref_logits, mb["responses"])
+            for k in ("k1", "k3"):
+                sums[f"actor/kl_loss_{k}"] = agg_loss(kl_penalty(logp, ref_logp, k), mask, mode, norm, horizon)
+        kl_mat = kl_penalty(None, None, "full", logits, ref_logits)
+        del ref_logits  # nothing of the reference is needed by the backward
+        loss = agg_loss(_weighted(kl_mat, mb), mask, mode, norm, horizon)
+        return loss, {**sums, "actor/kl_loss": loss.detach()}
+    return kl_loss
 
 
-def update_critic(critic, opt, batch, c, mini_size, spec=Batching(), generator=None, horizon=None) -> dict:
+class FirstPassEntropy:
+    """The entropy of each response token from the logits of the first pass over its row (no
+    gradient). With one mini-batch per step that is π_old's entropy exactly; later mini-batches see
+    the policy after the earlier optimizer steps."""
+
+    def __init__(self, batch):
+        mask = batch["response_mask"]
+        self.rows = torch.arange(len(mask), device=mask.device)
+        self.entropy = torch.zeros(mask.shape, device=mask.device)
+        self.seen = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
+
+    @torch.no_grad()
+    def record(self, rows, logits):
+        fresh = ~self.seen[rows]
+        if fresh.all():
+            self.entropy[rows] = entropy_from_logits(logits)
+        elif fresh.any():
+            self.entropy[rows[fresh]] = entropy_from_logits(logits[fresh])
+        self.seen[rows] = True
+
+
+def update_critic(critic, opt, batch, c, *, mini_size, spec=Batching(), generator=None, horizon=None) -> dict:
     """PPO epochs over the batch with the clipped value loss; `c` is the config's critic."""
     mode = c.loss_agg_mode
 

@@ -144,9 +144,9 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None):
 
     def update(actor, critic, a_opt, c_opt):
         # one mini-batch holding all 8 responses (8 // W on each rank), micro-batches of 2
-        metrics = dict(workers.update_critic(critic, c_opt, batch, c, 8 // W, spec, horizon=7))
-        metrics.update(workers.update_actor(actor, a_opt, batch, a, 1.0, 8 // W, spec, horizon=7,
-                                            kl_loss_coef=a.kl_loss_coef))
+        metrics = dict(workers.update_critic(critic, c_opt, batch, c, mini_size=8 // W, spec=spec, horizon=7))
+        metrics.update(workers.update_actor(actor, a_opt, batch, a, 1.0, mini_size=8 // W, spec=spec, horizon=7,
+                                            kl_loss_coef=a.kl_loss_coef)[0])
         return metrics
 
     metrics = update(actor, critic, a_opt, c_opt)

@@ -1,5 +1,14 @@
 """DPO/IPO losses and gradients against float64 closed forms, metrics against python loops,
-and the lesson's claim: DPO's population optimum on a bandit is π* ∝ π_ref exp(r/β)."""
+and the lesson's claim: DPO's population optimum on a bandit is π* ∝ π_ref exp(r/β).
+
+How the tests prove it. Both losses and their gradients with respect to all four inputs equal
+float64 closed forms written by hand, including β h = ±50 where the naive log(1 + exp(−βh))
+overflows; the metrics equal python loops; sequence_log_probs equals a python loop with NaN/inf
+under the mask. And the claim of nanokl/dpo.py, numerically: on a one-prompt bandit with 4
+responses and Bradley-Terry preferences in true rewards r, minimising the exact expected DPO loss
+over the policy's logits recovers π* ∝ π_ref exp(r/β) (log π/π_ref − r/β constant across
+responses).
+"""
 
 import itertools
 import math

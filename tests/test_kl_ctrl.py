@@ -1,5 +1,11 @@
 """Tests for nanokl/kl_ctrl.py: closed-form trajectories, error clipping, a closed loop that
-settles on target, state round-trips, and config validation."""
+settles on target, state round-trips, and config validation.
+
+How the tests prove it. A sequence of updates equals the closed-form product β_0 Π (1 + clip(...)·n/H)
+computed in the test, with the error visibly clipped at ±0.2; in a toy closed loop where the
+measured KL is c/β, β converges until the KL is within 5% of target; a state_dict loaded into a
+fresh controller produces the same future trajectory; bad configs raise ValueError.
+"""
 
 import json
 from types import SimpleNamespace

@@ -105,7 +105,7 @@ def test_logged_batch_equals_a_hand_built_one(tmp_path, tok):
             {"prompt": "Q: 12-2=?\nA:", "responses": texts[1]}]
     rows = read_logged(write_rows(tmp_path / "x.jsonl", rows), tok)
     picks = [[2, 0], [1, 1]]
-    out, has = logged_batch(rows, picks, tok)
+    out = logged_batch(rows, picks, tok)
     prompts = [tok.encode_one(r["prompt"]) for r in rows]
     resp = [tok.encode_one("3"), tok.encode_one("#### 3") + [tok.eos_token_id],
             tok.encode_one("no idea") + [tok.eos_token_id], tok.encode_one("no idea") + [tok.eos_token_id]]
@@ -119,12 +119,11 @@ def test_logged_batch_equals_a_hand_built_one(tmp_path, tok):
         real_pos = list(range(len(p) + len(r)))  # positions count real tokens only, as the rollout's do
         assert out.position_ids[i][out.attention_mask[i].bool()].tolist() == real_pos
         assert out.response_mask[i].tolist() == [1] * len(r) + [0] * (R - len(r))
-    expected_lp = [-2.5, -0.5, 0.0, 0.0]  # row 0 logged its log-probs; row 1 did not
-    for i, v in enumerate(expected_lp):
+    for i, v in enumerate([-2.5, -0.5]):  # row 0 logged its log-probs: mu's, 0 under the mask
         n = len(resp[i])
         assert out.log_probs[i, :n].tolist() == pytest.approx([v] * n)
         assert out.log_probs[i, n:].abs().sum() == 0
-    assert has.tolist() == [True, True, False, False]
+    assert out.log_probs[2:].isnan().all()  # row 1 did not: unknown, the whole row
 
 
 def test_the_draw_is_rank_independent_and_ranked():

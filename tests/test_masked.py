@@ -1,12 +1,27 @@
 """Tests for nanokl/masked.py: masked sum/mean/var/moments/whiten against numpy, whitening with
 the summed moments of a split batch equal to whitening the whole batch, and NaN/±inf under the
-mask changing no statistic."""
+mask changing no statistic and no gradient.
+
+How the tests prove it. Every statistic equals numpy over the compressed real entries (holes
+included); an all-masked mean is 0; whitening with the summed moments of a 2-way split equals
+whitening the whole batch, and local statistics would differ. With NaN, +inf or −inf written
+under the mask, every statistic (sum and mean with and without dim, variance, moments,
+whitening's statistics) equals a float64 numpy reference over the real entries and, bit for bit,
+the statistic of a copy holding 0 there, for bool, int and float masks; the multiply-based form
+Σ m·x really does turn the same inputs into NaN. masked_mean([1, 2, NaN, 4], mask [1, 0, 0, 1])
+is 2.5. Backward through every statistic (tests/poison.py) with NaN/±inf under the mask gives
+the loss and the gradient of finite numbers there, finite and exactly 0 under the mask; and
+selecting only the output of (v − R)², not its inputs, really does give a NaN gradient.
+"""
+
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from nanokl.masked import masked_mean, masked_moments, masked_sum, masked_var, masked_whiten
+from nanokl.masked import masked_mean, masked_moments, masked_sum, masked_var, masked_whiten, zero_masked
+from poison import POISONS, assert_mask_holds
 
 
 def right_padded_mask(lengths, width):
@@ -114,3 +129,44 @@ def test_non_finite_values_under_the_mask_never_leak(poison, mask_kind):
         torch.testing.assert_close(w[real], torch.from_numpy(np_whiten(xn, mn, shift))[real],
                                    rtol=1e-12, atol=1e-12)
         assert torch.equal(w[real], masked_whiten(clean, mask, shift_mean=shift)[real])
+
+
+@pytest.mark.parametrize("mask_kind", [torch.bool, torch.int64, torch.float64])
+@pytest.mark.parametrize("poison", POISONS)
+def test_gradients_ignore_non_finite_values_under_the_mask(poison, mask_kind):
+    """Backward through every statistic (sum and mean with and without dim, both variances, both
+    whitenings feeding a masked sum) with NaN/±inf under the mask: the value and the gradient are
+    those of finite numbers there, the gradient is finite and exactly 0 at the masked entries."""
+    m = right_padded_mask([9, 4, 0, 7, 3], 9)
+    m[0, 4] = 0.0  # a hole
+    mask = m.to(mask_kind)
+    x = torch.randn(5, 9, dtype=torch.float64) * 3 + 2
+    w = torch.randn(5, 9, dtype=torch.float64)  # weights make every per-entry gradient distinct
+    stats = {
+        "sum": lambda v: masked_sum(v * w, mask),
+        "row_sum": lambda v: (masked_sum(v, mask, dim=-1) * w[:, 0]).sum(),
+        "col_sum": lambda v: (masked_sum(v, mask, dim=0) * w[0]).sum(),
+        "mean": lambda v: masked_mean(v * w, mask),
+        "row_mean": lambda v: (masked_mean(v, mask, dim=-1) * w[:, 0]).sum(),
+        "col_mean": lambda v: (masked_mean(v, mask, dim=0) * w[0]).sum(),
+        "var": lambda v: masked_var(v, mask),
+        "var0": lambda v: masked_var(v, mask, unbiased=False),
+        "whiten": lambda v: masked_sum(masked_whiten(v, mask) * w, mask),
+        "whiten_scale": lambda v: masked_mean(masked_whiten(v, mask, shift_mean=False) * w, mask),
+    }
+    for name, f in stats.items():
+        grads = assert_mask_holds(lambda v: f(v), {"v": x}, mask, poison)
+        assert (grads["v"][m > 0] != 0).any(), name
+
+
+def test_selecting_the_output_is_not_enough_for_the_gradient():
+    """The lesson of the module docstring: where(m, (v − R)², 0) hides a padded R = inf from the
+    value, but its backward still multiplies the 0 by 2(v − R) = −inf: NaN. Selecting v and R
+    first gives the clean gradient."""
+    m = torch.tensor([True, True, False])
+    v = torch.tensor([0.5, 1.0, 2.0], requires_grad=True)
+    r = torch.tensor([1.0, 0.0, math.inf])
+    (g,) = torch.autograd.grad(masked_sum((v - r) ** 2, m), v)
+    assert torch.isnan(g[2]) and torch.isfinite(g[:2]).all()
+    (g,) = torch.autograd.grad(masked_sum((zero_masked(v, m) - zero_masked(r, m)) ** 2, m), v)
+    assert g.tolist() == [-1.0, 2.0, 0.0]

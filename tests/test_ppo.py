@@ -1,7 +1,25 @@
 """Tests for nanokl/ppo.py: the dual-clip policy loss branch by branch, the clipped value loss,
 every aggregation mode against python loops (also with NaN/±inf under the mask), entropy and
-log-probs."""
+log-probs.
 
+How the tests prove it. The policy loss equals a per-token python reference written branch by
+branch, on inputs built to hit every clip branch (each branch asserted hit); the three metrics
+equal their definitions; the gradient in the unclipped region equals −A·ρ per token (token-mean
+times the token count) and is 0 where clipped. Value loss and vf_clipfrac likewise; all four
+agg_loss modes (with and without global_norm/horizon) equal python-loop reductions; entropy and
+log-probs equal float64 −Σp log p and log_softmax-gather.
+
+Masks hold for gradients too (tests/poison.py). NaN, +inf, −inf or a mix of them are planted
+under the mask in every input of every loss (log_prob, old_log_prob, advantages, is_weights;
+vpreds, returns, values; the entropy and KL matrices of the actor's full loss), one input at a
+time and all at once, for every loss_agg_mode, with and without is_weights and
+global_norm/horizon, for bool/int/float masks. Then (1) the loss and metrics are torch.equal to
+those with finite numbers there, (2) every gradient is finite and torch.equal to the finite
+version's, (3) the gradient under the mask is exactly 0. Against the code before the inputs were
+selected, the policy, value and actor tests fail (0·inf = NaN in the backward).
+"""
+
+import itertools
 import math
 
 import pytest
@@ -16,6 +34,9 @@ from nanokl.ppo import (
     entropy_from_logits,
     logprobs_from_logits,
 )
+from nanokl.kl import kl_penalty
+from nanokl.masked import zero_masked
+from poison import POISONS, assert_mask_holds
 
 EPS_LOW, EPS_HIGH, CLIP_C = 0.2, 0.28, 3.0
 
@@ -218,11 +239,11 @@ def test_logprobs_from_logits_matches_log_softmax_gather():
 
 
 
-POISONS = [math.nan, math.inf, -math.inf]
+NORMS = [{}, {"global_norm": 37.0, "horizon": 16}]
 
 
-@pytest.mark.parametrize("norms", [{}, {"global_norm": 37.0, "horizon": 16}])
-@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("norms", NORMS)
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_agg_loss_ignores_non_finite_values_under_the_mask(mode, poison, norms):
     """NaN/±inf at masked entries: the loss equals the python reduction of the real entries and,
@@ -245,49 +266,75 @@ def test_agg_loss_ignores_non_finite_values_under_the_mask(mode, poison, norms):
         assert (g[mask == 0] == 0).all() and (g[mask > 0] != 0).all()
 
 
-@pytest.mark.parametrize("old_too", [False, True])
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_policy_loss_with_neg_inf_log_prob_at_a_padded_position(mode, old_too):
-    """A −inf log-prob at a padded position (old_too: against a −inf old log-prob as well, so the
-    log-ratio is NaN) gives the finite loss, metrics and gradient of a 0 there, and a gradient of
-    exactly 0 at that position. Alone, the −inf is already tamed by the ±20 log-ratio clamp; the
-    NaN log-ratio is what a multiply-based mask would let through."""
+def poison_inputs():
+    """policy_inputs() plus an empty row, a hole in a random row and is_weights; rows 0-1 still hit
+    every clip branch (the dual clip included) at real tokens."""
     old, new, adv, mask = policy_inputs()
-    pad = (3, 4)
-    assert mask[pad] == 0
-    old[pad] = new[pad] = 0.0
-    old_inf, new_inf = old.clone(), new.clone()
-    new_inf[pad] = -math.inf
-    if old_too:
-        old_inf[pad] = -math.inf
-    results = []
-    for o, n in ((old, new), (old_inf, new_inf)):
-        n = n.clone().requires_grad_(True)
-        loss, metrics = compute_policy_loss(o, n, adv, mask, EPS_LOW, EPS_HIGH, CLIP_C, mode)
-        (grad,) = torch.autograd.grad(loss, n)
-        results.append((loss, metrics, grad))
-    (loss0, metrics0, grad0), (loss, metrics, grad) = results
-    assert torch.isfinite(loss) and torch.equal(loss, loss0)
-    for k, v in metrics.items():
-        assert torch.isfinite(v) and torch.equal(v, metrics0[k]), k
-    assert torch.isfinite(grad).all() and torch.equal(grad, grad0)
-    assert grad[pad] == 0
+    w = torch.rand(4, 6, dtype=torch.float64) * 2
+    pad = lambda t, fill: torch.cat([t, torch.full((1, 6), fill, dtype=t.dtype)])  # noqa: E731
+    old, new, adv, w, mask = pad(old, -1.0), pad(new, -1.0), pad(adv, 0.5), pad(w, 1.0), pad(mask, 0.0)
+    mask[2, 1] = 0.0
+    return old, new, adv, w, mask
 
 
+@pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_value_loss_with_non_finite_padded_entries(mode):
-    """inf/NaN in the predictions, returns and old values at padded positions leave the value
-    loss and vf_clipfrac finite and equal to those with 0 there."""
-    values = torch.randn(3, 7, dtype=torch.float64)
-    vpreds = values + torch.randn(3, 7, dtype=torch.float64)
-    returns = values + torch.randn(3, 7, dtype=torch.float64)
-    mask = torch.ones(3, 7, dtype=torch.float64)
-    mask[1, 4:] = 0.0
-    for t in (values, vpreds, returns):
-        t[1, 4:] = 0.0
-    bad_v, bad_p, bad_r = values.clone(), vpreds.clone(), returns.clone()
-    bad_p[1, 4], bad_r[1, 5], bad_v[1, 6] = math.inf, -math.inf, math.nan
-    loss0, m0 = compute_value_loss(vpreds, returns, values, mask, 0.5, mode)
-    loss, m = compute_value_loss(bad_p, bad_r, bad_v, mask, 0.5, mode)
-    assert torch.isfinite(loss) and torch.equal(loss, loss0)
-    assert torch.isfinite(m["vf_clipfrac"]) and torch.equal(m["vf_clipfrac"], m0["vf_clipfrac"])
+def test_policy_loss_value_and_gradient_ignore_non_finite_masked_inputs(mode, poison):
+    """NaN/±inf at masked entries of log_prob, old_log_prob, advantages, is_weights (one at a time
+    and all together), with and without is_weights and global_norm/horizon, for bool/int/float
+    masks: loss, metrics and all four gradients equal those of finite numbers there; the gradients
+    are finite and exactly 0 under the mask. compute_policy_loss selects its inputs first, so
+    no 0 from the mask ever meets an inf in the backward (exp, −A·ρ, the clips, the weight)."""
+    old, new, adv, w, mask = poison_inputs()
+    for m in (mask, mask.bool(), mask.long()):
+        for weighted, norms in itertools.product((False, True), NORMS):
+            def fn(old_log_prob, log_prob, advantages, is_weights=None):
+                return compute_policy_loss(old_log_prob, log_prob, advantages, m, EPS_LOW, EPS_HIGH, CLIP_C, mode,
+                                           is_weights=is_weights, **norms)
+            inputs = {"old_log_prob": old, "log_prob": new, "advantages": adv}
+            if weighted:
+                inputs["is_weights"] = w
+            for targets in (None, *([k] for k in inputs)):
+                grads = assert_mask_holds(fn, inputs, m, poison, targets)
+            assert (grads["log_prob"][mask > 0] != 0).any() and (grads["advantages"][mask > 0] != 0).any()
+
+
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_value_loss_value_and_gradient_ignore_non_finite_masked_inputs(mode, poison):
+    """NaN/±inf at masked entries of vpreds, returns and values (one at a time and together):
+    loss, vf_clipfrac and the three gradients equal those of finite numbers there; the gradients
+    are finite and exactly 0 under the mask (the inputs are selected before (V − R)²)."""
+    values = torch.randn(4, 7, dtype=torch.float64)
+    vpreds = values + torch.randn(4, 7, dtype=torch.float64)
+    returns = values + torch.randn(4, 7, dtype=torch.float64)
+    mask = torch.ones(4, 7, dtype=torch.float64)
+    mask[1, 4:], mask[2, 2], mask[3] = 0.0, 0.0, 0.0
+    inputs = {"vpreds": vpreds, "returns": returns, "values": values}
+    for m in (mask, mask.bool(), mask.long()):
+        for norms in NORMS:
+            def fn(vpreds, returns, values):
+                return compute_value_loss(vpreds, returns, values, m, 0.5, mode, **norms)
+            for targets in (None, *([k] for k in inputs)):
+                grads = assert_mask_holds(fn, inputs, m, poison, targets)
+            assert (grads["vpreds"][mask > 0] != 0).any() and (grads["returns"][mask > 0] != 0).any()
+
+
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_actor_loss_with_entropy_bonus_and_kl_loss_ignores_non_finite_masked_inputs(mode, poison):
+    """The actor's micro-batch loss as nanokl/workers.py builds it: policy loss − c_H·agg_loss(entropy)
+    + c_KL·agg_loss(w·kl_penalty(log_prob, ref_log_prob)), with every input poisoned under the mask
+    (the entropy matrix too): value and gradients are those of finite numbers there."""
+    old, new, adv, w, mask = poison_inputs()
+    ent = torch.rand(5, 6, dtype=torch.float64) * 2
+    ref = new - torch.randn(5, 6, dtype=torch.float64) * 0.3
+    w = zero_masked(w, mask)  # truncated_is_weights returns 0 under the mask
+    for kind in ("k1", "k2", "k3", "abs", "k3+", "low_var_kl+"):
+        def fn(old_log_prob, log_prob, advantages, entropy, ref_log_prob):
+            pg, metrics = compute_policy_loss(old_log_prob, log_prob, advantages, mask, EPS_LOW, EPS_HIGH, CLIP_C,
+                                              mode, is_weights=w)
+            kl = agg_loss(w * kl_penalty(log_prob, ref_log_prob, kind), mask, mode)
+            return pg - 0.01 * agg_loss(entropy, mask, mode) + 0.1 * kl, metrics
+        inputs = {"old_log_prob": old, "log_prob": new, "advantages": adv, "entropy": ent, "ref_log_prob": ref}
+        assert_mask_holds(fn, inputs, mask, poison)

@@ -1,40 +1,10 @@
-"""nanokl/harness/scoring.py: score placement against a naive loop, and reward_model.max_length keeps
-each row's last real tokens."""
+"""nanokl/harness/scoring.py: reward_model.max_length keeps each row's last real tokens."""
 
 import torch
 
 from nanokl import model as M
-from nanokl.harness.scoring import keep_last_tokens, token_level_scores
+from nanokl.harness.scoring import keep_last_tokens
 from nanokl.supervised.reward_model import RewardModel
-
-
-def naive_token_level_scores(scores, mask, missing_eos, penalty):
-    out = [[0.0] * len(mask[0]) for _ in mask]
-    for i in range(len(mask)):
-        length = sum(mask[i])
-        if length == 0:
-            continue  # an empty response has no token to carry its score
-        s = scores[i]
-        if missing_eos is not None and missing_eos[i]:
-            s -= penalty
-        out[i][length - 1] = s
-    return torch.tensor(out)
-
-
-def test_token_level_scores_matches_a_loop():
-    R = 7
-    lengths = [3, 0, 7, 1, 5, 7]
-    mask = torch.tensor([[1] * n + [0] * (R - n) for n in lengths])
-    scores = [1.0, 0.7, -0.25, 0.0, 2.0, 1.0]
-    missing = [False, True, True, False, False, True]
-    for miss, penalty in [(None, 0.0), (missing, 0.5), (missing, 0.0)]:
-        got = token_level_scores(torch.tensor(scores), mask, None if miss is None else torch.tensor(miss), penalty)
-        want = naive_token_level_scores(scores, mask.tolist(), miss, penalty)
-        assert got.shape == (6, R) and got.dtype == torch.float32
-        assert torch.equal(got, want)
-    got = token_level_scores(scores, mask.bool(), missing, 0.5)  # lists and a bool mask work too
-    assert torch.equal(got, naive_token_level_scores(scores, mask.tolist(), missing, 0.5))
-    assert got[2, 6] == -0.75 and got[1].eq(0).all()  # penalised full-length row; empty row stays 0
 
 
 def test_truncated_rm_score_equals_scoring_the_kept_tokens_alone():

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_ppo
+from nanokl.harness import variants
 from nanokl.harness.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def never(*args, **kwargs):
 
 
 def test_offline_ppo_never_samples_and_logs_its_kl(sft_dir, tmp_path, logged_file, monkeypatch):
-    monkeypatch.setattr(train_ppo, "generate", never)  # validation's sampler (harness/scoring.py) stays
+    monkeypatch.setattr(variants, "generate", never)  # the training step's sampler; validation's (harness/scoring.py) stays
     rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.rollout.n=2")
     assert [r["training/global_step"] for r in rows] == [0, 1, 2, 3]
     first = rows[1]
@@ -77,7 +78,7 @@ def test_offline_ppo_never_samples_and_logs_its_kl(sft_dir, tmp_path, logged_fil
 
 
 def test_dpo_in_the_offline_step(sft_dir, tmp_path, logged_file, monkeypatch):
-    monkeypatch.setattr(train_ppo, "generate", never)
+    monkeypatch.setattr(variants, "generate", never)
     rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.actor.loss_mode=dpo", "actor_rollout_ref.rollout.n=2",
                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                "critic.ppo_mini_batch_size=8")  # one mini-batch a step: its loss is all at pi = pi_ref
@@ -91,14 +92,14 @@ def test_dpo_in_the_offline_step(sft_dir, tmp_path, logged_file, monkeypatch):
 def test_dpo_micro_batches_equal_one_batch(sft_dir, logged_file):
     """One pair per micro-batch accumulates exactly the gradient of the whole mini-batch's DPO loss."""
     from types import SimpleNamespace
-    from nanokl import workers
+    from nanokl import dpo, workers
     from nanokl.batching import Batching
     from nanokl.harness.hf_format import from_pretrained
     from nanokl.harness.logged import draw_responses, logged_batch, read_logged
     from nanokl.harness.tokenizer import load_tokenizer
     tok = load_tokenizer(sft_dir)
     rows = read_logged(logged_file, tok, need_ranking=True)[:4]
-    out, _ = logged_batch(rows, [draw_responses(r, 2, 0, 0, i) for i, r in enumerate(rows)], tok)
+    out = logged_batch(rows, [draw_responses(r, 2, 0, 0, i) for i, r in enumerate(rows)], tok)
     batch = {k: getattr(out, k) for k in ("sequences", "attention_mask", "position_ids", "responses", "response_mask")}
     ref = from_pretrained(sft_dir)
     batch["ref_log_probs"], _ = workers.compute_log_probs(ref, batch, 1.0)
@@ -111,7 +112,7 @@ def test_dpo_micro_batches_equal_one_batch(sft_dir, logged_file):
             for p in actor.parameters():
                 p.add_(0.01 * torch.randn_like(p))
         opt = torch.optim.SGD(actor.parameters(), lr=1.0)
-        m = workers.update_actor(actor, opt, batch, a, 1.0, 8, Batching(micro), kl_loss_coef=0.0, beta=0.1)
+        m = dpo.update_policy(actor, opt, batch, a, 1.0, mini_size=8, spec=Batching(micro), beta=0.1)
         params.append(torch.cat([p.detach().flatten() for p in actor.parameters()]))
     assert (params[0] - params[1]).abs().max().item() < 1e-6
     assert m["actor/dpo_loss"][0] > 0

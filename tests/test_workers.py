@@ -236,8 +236,8 @@ def test_full_kl_loss_gradient_equals_the_one_batch_kl_div_gradient(mode):
     for spec in [Batching()] + budget_specs(batch):
         opt = Recorder(pol.parameters())
         pol.zero_grad()
-        metrics = W.update_actor(pol, opt, batch, a, 0.7, mini_size=6, spec=spec, horizon=R, kl_loss_coef=coef,
-                                 ref=ref)
+        metrics, _ = W.update_actor(pol, opt, batch, a, 0.7, mini_size=6, spec=spec, horizon=R, kl_loss_coef=coef,
+                                    ref=ref)
         for e, s in zip(expected, opt.seen):
             assert torch.allclose(e, s, rtol=1e-5, atol=1e-7), (mode, spec)
         g_ref, g = torch.cat([e.flatten() for e in expected]), torch.cat([s.flatten() for s in opt.seen])
@@ -258,8 +258,9 @@ def test_full_kl_loss_runs_over_epochs_and_needs_the_reference():
     batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(3))
     a.ppo_epochs, a.entropy_coeff, a.grad_clip = 2, 0.01, 1.0
     opt = torch.optim.AdamW(pol.parameters(), lr=1e-3)
-    metrics = W.update_actor(pol, opt, batch, a, 0.7, mini_size=3, spec=Batching(micro_size=2), kl_loss_coef=0.1,
-                             ref=ref)
+    metrics, entropy = W.update_actor(pol, opt, batch, a, 0.7, mini_size=3, spec=Batching(micro_size=2),
+                                      kl_loss_coef=0.1, ref=ref)
+    assert entropy is None  # recorded only when asked
     for k in ("actor/kl_loss", "actor/kl_loss_k1", "actor/kl_loss_k3", "actor/grad_norm"):
         assert len(metrics[k]) == 4 and all(torch.isfinite(torch.tensor(metrics[k]))), k
     assert "actor/nan_skipped" not in metrics
@@ -313,9 +314,9 @@ def test_rollout_log_probs_give_the_recomputed_update(top_k, top_p, spec):
     results = []
     for old in (recomputed, out.log_probs):
         m.train().zero_grad()
-        opt, got = Recorder(m.parameters()), torch.full(rmask.shape, float("nan"))
-        metrics = W.update_actor(m, opt, {**batch, "old_log_probs": old}, a, 0.7, mini_size=6, spec=spec,
-                                 kl_loss_coef=0.04, entropy_out=got)
+        opt = Recorder(m.parameters())
+        metrics, got = W.update_actor(m, opt, {**batch, "old_log_probs": old}, a, 0.7, mini_size=6, spec=spec,
+                                      kl_loss_coef=0.04, record_entropy=True)
         results.append((torch.cat([s.flatten() for s in opt.seen]), metrics, got))
     (g_re, m_re, ent_re), (g_by, m_by, ent_by) = results
     assert (g_by - g_re).norm() <= 1e-5 * g_re.norm()
@@ -343,9 +344,8 @@ def test_entropy_is_recorded_on_the_first_pass_over_each_row():
         def step(self):
             super().step()
             seen.append(W.compute_log_probs(m, batch, 1.0, with_entropy=True)[1])
-    got = torch.full(rmask.shape, float("nan"))
-    W.update_actor(m.train(), Snap(m.parameters(), lr=0.5), batch, a, 1.0, mini_size=3, kl_loss_coef=0.0,
-                   entropy_out=got)
+    _, got = W.update_actor(m.train(), Snap(m.parameters(), lr=0.5), batch, a, 1.0, mini_size=3, kl_loss_coef=0.0,
+                            record_entropy=True)
     assert ((got[:3] - before[:3]).abs() * rmask[:3]).max() <= 1e-5
     assert ((got[3:] - seen[0][3:]).abs() * rmask[3:]).max() <= 1e-5
     assert ((seen[0][3:] - before[3:]).abs() * rmask[3:]).max() > 1e-3  # the step did move the policy

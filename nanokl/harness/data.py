@@ -207,6 +207,12 @@ def batch_indices(num_examples: int, batch_size: int, step: int, seed: int,
     return list(order[k * batch_size:(k + 1) * batch_size])
 
 
+def rank_rows(num_examples: int, batch_size: int, step: int, seed: int, shuffle: bool, rank: int, world: int):
+    """This rank's slice of step `step`'s example indices (rank r takes the r-th of W equal parts)."""
+    per_rank = batch_size // world
+    return batch_indices(num_examples, batch_size, step, seed, shuffle)[rank * per_rank:(rank + 1) * per_rank]
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Prompts -> token ids
 # ---------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ responses: without replacement when the row has that many (with repeats for the 
 has fewer), seeded by (seed, step, row) alone, so every rank and every world size draws the same
 responses, and listed in ranking order, so that for DPO (n = 2) the chosen response comes first.
 The batch has the layout of a rollout (nanokl/rollout.py's RolloutOutput): left-padded prompts,
-right-padded responses, masks and positions, `log_probs` = mu's log-probs where logged (0
-elsewhere) and `has_logprobs` [N] saying where.
+right-padded responses, masks and positions, and `log_probs` = mu's log-probs where logged, NaN
+where the row has none (the step then takes the reference's: nanokl/offline.py).
 
 tests/test_logged.py checks every bad-row case (file:line, exit status 2, nothing trained), that a
 batch equals a hand-built one, and that the draw is the same for every rank split.
@@ -162,14 +162,14 @@ def draw_responses(row, n, seed, step, index) -> list[int]:
 
 
 def logged_batch(rows, picks, tok, template="plain", max_prompt_length=None, truncation="error",
-                 device=None) -> tuple[RolloutOutput, torch.Tensor]:
-    """The responses `picks[i]` of rows[i], in a rollout's layout; and `has_logprobs` [N] (bool)."""
+                 device=None) -> RolloutOutput:
+    """The responses `picks[i]` of rows[i], in a rollout's layout; `log_probs` are μ's where the row
+    logged them and NaN where it did not."""
     n = len(picks[0])
     ids, mask = build_prompts(rows, tok, template, max_prompt_length, truncation, device=device)
     ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
     resp = [row["response_ids"][k] for row, ks in zip(rows, picks) for k in ks]
-    logp = [row["logprobs"][k] if row["logprobs"] is not None else [0.0] * len(row["response_ids"][k])
-            for row, ks in zip(rows, picks) for k in ks]
+    logp = [row["logprobs"][k] if row["logprobs"] is not None else None for row, ks in zip(rows, picks) for k in ks]
     N, R = len(resp), max(1, max(len(r) for r in resp))
     responses = torch.full((N, R), tok.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros(N, R, dtype=torch.long)
@@ -177,12 +177,14 @@ def logged_batch(rows, picks, tok, template="plain", max_prompt_length=None, tru
     for i, (r, lp) in enumerate(zip(resp, logp)):
         responses[i, :len(r)] = torch.tensor(r, dtype=torch.long)
         response_mask[i, :len(r)] = 1
-        log_probs[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
+        if lp is None:
+            log_probs[i] = float("nan")  # not logged: unknown (nanokl/offline.py's behaviour_log_probs)
+        else:
+            log_probs[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
     responses, response_mask, log_probs = (t.to(device) for t in (responses, response_mask, log_probs))
     prompt_pos = (mask.cumsum(-1) - 1).clamp(min=0)
     resp_pos = mask.sum(-1, keepdim=True) + torch.arange(R, device=mask.device)
     out = RolloutOutput(sequences=torch.cat([ids, responses], 1), attention_mask=torch.cat([mask, response_mask], 1),
                         position_ids=torch.cat([prompt_pos, resp_pos], 1), responses=responses,
                         response_mask=response_mask, log_probs=log_probs, prompt_length=ids.shape[1])
-    has = torch.tensor([row["logprobs"] is not None for row, ks in zip(rows, picks) for _ in ks], device=mask.device)
-    return out, has
+    return out

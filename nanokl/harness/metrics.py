@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from nanokl import dist
+from nanokl.harness.data import steps_per_epoch
 from nanokl.masked import masked_moments
 
 
@@ -52,3 +53,36 @@ def timer(metrics, name, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     metrics[f"timing_s/{name}"] = time.perf_counter() - t
+
+
+def step_metrics(run, step, out, batch, *, update, entropy, t_step, scores=None, rule_scores=None,
+                 rewards=None) -> dict:
+    """Step 7: what one step logs beyond its parts' own metrics, under verl's names, every value reduced
+    over all ranks. `update` holds the per-mini-batch lists of the updates; `entropy` the [N, R]
+    entropy of π_old; scores, rule_scores and rewards are absent for DPO (no score)."""
+    d, W, rmask = run.cfg.data, run.world, out.response_mask
+    n, R = run.cfg.actor_rollout_ref.rollout.n, run.cfg.actor_rollout_ref.rollout.response_length
+    m = {k: sum(v) / len(v) for k, v in update.items() if v}
+    m["actor/nan_skipped"] = sum(update.get("actor/nan_skipped", [])) + sum(update.get("critic/nan_skipped", []))
+    m["actor/entropy"] = dist.global_stats(entropy, rmask)[0]
+    m["actor/lr"] = run.actor_sched.get_last_lr()[0]
+    m["rollout/bypass"] = float(run.bypass)
+    if scores is not None:
+        add_stats(m, "critic/score", scores)
+        m["critic/score/var"] = global_var(scores)
+        if run.rm is not None:  # the rule's verdict on the same responses: the RM's score is only a proxy
+            add_stats(m, "critic/rule_score", rule_scores)
+        add_stats(m, "critic/rewards", rewards.sum(-1))
+        add_stats(m, "critic/advantages", batch["advantages"], rmask)
+        add_stats(m, "critic/returns", batch["returns"], rmask)
+    if batch.get("values") is not None:
+        add_stats(m, "critic/values", batch["values"], rmask)
+        m["critic/vf_explained_var"] = explained_variance(batch["values"], batch["returns"], rmask)
+    add_stats(m, "response_length", rmask.sum(-1).float())
+    m["response_length/clip_ratio"] = dist.global_stats((rmask.sum(-1) == R).float())[0]
+    add_stats(m, "prompt_length", out.attention_mask[::n, :out.prompt_length].sum(-1).float())
+    tokens = dist.all_reduce(out.attention_mask.sum().float()).item()
+    m["timing_s/step"] = time.perf_counter() - t_step
+    m.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / m["timing_s/step"] / W,
+              "training/epoch": step // steps_per_epoch(len(run.train), d.train_batch_size)})
+    return m

@@ -44,7 +44,7 @@ from tqdm import tqdm
 from nanokl import dist
 from nanokl.advantages import ESTIMATORS
 from nanokl.batching import Batching
-from nanokl.harness import remedies
+from nanokl.harness import remedies, variants
 from nanokl.harness.checkpoint import (CheckpointWriteError, latest_checkpoint, load_state, rng_state,
                                       save_checkpoint, set_rng_state, verify_checkpoint)
 from nanokl.harness.config import config_to_dict, save_config
@@ -65,6 +65,7 @@ from nanokl.supervised.reward_model import build_ranked_data, load_reward_model
 from nanokl.supervised.reward_model import train_from_config as train_reward_model
 from nanokl.supervised.sft import train_sft
 from nanokl.tasks import TASKS
+from nanokl.workers import rollout_log_probs_are_old
 
 MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before the run stops
 
@@ -101,6 +102,14 @@ class Run:
     tracker: Tracker | None
     specs: dict  # how each forward / update cuts its batch into micro-batches (batching.py)
     total_steps: int
+    bypass: bool  # pi_old's log-probs are the rollout's own (workers.rollout_log_probs_are_old)
+    # the part that fills each replaceable step of ppo_step for this config (harness/variants.py)
+    respond: object
+    old_log_probs: object
+    values: object
+    correct: object
+    kl_reward: object
+    update_critic: object
     start: int = 0
     nan_streak: int = 0
     healthy_step: int | None = None  # the last checkpoint a rollback may return to
@@ -253,6 +262,11 @@ def setup(cfg) -> Run:
     actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps)
     critic_opt, critic_sched = make_optimizer(critic, c.optim, total_steps) if critic is not None else (None, None)
     km = t.kl_monitor
+    # chosen once, for every step: the rollout's log-probs stand in for pi_old's only when the actor
+    # updates every step (critic_warmup 0), since the update is what then records the entropy
+    bypass = not d.offline_files and t.critic_warmup == 0 and rollout_log_probs_are_old(
+        alg.rollout_correction.bypass_mode, same_numerics=not rollout_copy and device.type == "cpu",
+        do_sample=ro.do_sample, temperature=ro.temperature)
     run = Run(cfg=cfg, rank=rank, world=W, device=device, run_dir=run_dir, tok=tok, train=train, val=val,
               estimator=estimator, actor=actor, ref=ref, critic=critic, rollout_model=rollout_model,
               rollout_copy=rollout_copy, actor_opt=actor_opt, actor_sched=actor_sched, critic_opt=critic_opt,
@@ -260,7 +274,8 @@ def setup(cfg) -> Run:
               kl_loss_ctrl=FixedKLController(a.kl_loss_coef),
               rm=_load_rm(cfg, device) if cfg.reward_model.enable else None,
               monitor=KLMonitor(km) if km.enable else None, tracker=None, specs=batching_specs(cfg),
-              total_steps=total_steps)
+              total_steps=total_steps, bypass=bypass,
+              **variants.choose(cfg, critic=critic is not None, bypass=bypass))
     if ckpt:
         resume(run, ckpt)
     rollback_on = run.monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in CHECKS}

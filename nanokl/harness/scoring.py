@@ -8,13 +8,9 @@ reference-policy samples), and the rule's verdict is still computed and logged
 (`critic/rule_score/*`): the learned reward is a proxy, and a rising RM score with a flat or
 falling rule score is reward hacking made visible (Gao et al. 2023).
 
-Either way one scalar per response becomes the `[N, R]` tensor PPO adds the KL penalty to
-(`token_level_scores`, verl's name): the score sits on the last real response token (position
-sum(mask) - 1; responses are right-padded, so the real tokens come first) and 0 elsewhere, so
-GAE credits the whole response through its discounted returns, where the per-token reward is
-r_t = score_t - beta * KL_t. A response cut off by the length limit before its EOS gets
-`missing_eos_penalty` subtracted (TRL's `missing_eos_penalty`): without it, a policy can learn
-that rambling is safe.
+Either way one scalar per response becomes the `[N, R]` tensor PPO adds the KL penalty to:
+`token_level_scores` (nanokl/rewards.py) puts it on the response's last real token. A response
+cut off by the length limit before its EOS gets `missing_eos_penalty` subtracted.
 
 On-policy KL (`on_policy_kl`, trainer.val_kl_prompts > 0). At each validation the first
 val_kl_prompts held-out prompts are sampled once each at the rollout temperature, and the KL
@@ -28,8 +24,7 @@ Validation always uses the rule (`val-core/<data_source>/acc/mean@n`, greedy by 
 the ground truth the reward model is trying to learn. Under torchrun rank r takes every W-th
 held-out prompt and the sums are all-reduced, so the accuracy is over the whole held-out set.
 
-tests/test_scoring.py checks: `token_level_scores` equals a hand-written loop, and
-reward_model.max_length keeps each row's last real tokens.
+tests/test_scoring.py checks that reward_model.max_length keeps each row's last real tokens.
 """
 
 import torch
@@ -37,26 +32,12 @@ import torch
 from nanokl import dist
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean
+from nanokl.rewards import token_level_scores
 from nanokl.workers import compute_log_probs
 from nanokl.harness.data import build_prompts
 from nanokl.rollout import generate
 from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
 from nanokl.tasks import get_task
-
-
-def token_level_scores(scores, response_mask: torch.Tensor, missing_eos=None,
-                       missing_eos_penalty: float = 0.0) -> torch.Tensor:
-    """[N, R] float tensor: score_i (minus the penalty if row i has no EOS) at its last real token."""
-    mask = response_mask.bool()
-    scores = torch.as_tensor(scores, dtype=torch.float32, device=mask.device).clone()
-    if missing_eos is not None:
-        missing = torch.as_tensor(missing_eos, dtype=torch.bool, device=mask.device)
-        scores = scores - missing_eos_penalty * missing.float()
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    last = mask.sum(-1) - 1  # -1 for an empty response: it has no token to carry a score
-    rows = (last >= 0).nonzero(as_tuple=True)[0]
-    out[rows, last[rows]] = scores[rows]
-    return out
 
 
 def score_batch(tok, out, examples, cfg, rm=None):

@@ -1,0 +1,81 @@
+"""Rewards for a language model: a score per response becomes a reward per token, minus the KL.
+
+Two facts make RL *for language models* different from RL on a game.
+
+1. The environment scores a whole response, once. A rule (is the answer right?) or a reward model
+   reads the finished text and returns one scalar per response. PPO wants a reward per action,
+   and an action is a token, so the scalar is put on the response's last real token and every
+   other token gets 0 (`token_level_scores`, verl's name). Responses are right-padded, so the last
+   real token is at position sum(mask) − 1; an empty response has no token to carry it. GAE then
+   credits the whole response through the discounted returns (nanokl/advantages.py). A response
+   cut off by the length limit before its EOS may pay `missing_eos_penalty` (TRL's name): without
+   it a policy learns that rambling past the limit is safe.
+
+2. The policy must stay near the reference it started from. RLHF maximises
+
+       J(π) = E_{y~π}[ score(x, y) ] − β · KL(π ‖ π_ref)          (Ziegler et al. 2019, §2)
+
+   and KL(π‖π_ref) of a response is the sum over its tokens of the per-token KL, so the penalty
+   splits over tokens like a reward does. Each token's reward is
+
+       r_t = score_t − β · KL_t,        KL_t = k(log π_old(y_t), log π_ref(y_t))
+
+   with k one of the estimators of nanokl/kl.py (k1 = log π_old − log π_ref by default), evaluated
+   at the tokens the rollout sampled (verl's `apply_kl_penalty`). β is steered by a controller
+   (nanokl/kl_ctrl.py) that reads one number per step: the per-token KL of each response,
+   averaged over the batch's responses (`mean_kl`; verl's `current_kl`). Under torchrun the sums
+   are added over ranks (`reduce`), so every rank reads the same KL.
+
+Two variants replace the sampled estimate, each a step setup picks (nanokl/harness/variants.py):
+- the exact per-token KL Σ_v π(v)(log π(v) − log π_ref(v)) from both models' logits
+  (`algorithm.kl_penalty=full`; computed micro-batch by micro-batch in nanokl/workers.py):
+  `apply_exact_kl_penalty` takes it instead of two log-probs;
+- on responses another policy μ sampled (offline, nanokl/offline.py), the controller reads the
+  importance-weighted estimate of the KL under π instead of the plain mean (`offline.weighted_kl`).
+"""
+
+import torch
+
+from nanokl.kl import kl_penalty
+from nanokl.masked import masked_mean, zero_masked
+
+
+def _same(t):
+    return t
+
+
+def token_level_scores(scores, response_mask: torch.Tensor, missing_eos=None,
+                       missing_eos_penalty: float = 0.0) -> torch.Tensor:
+    """[N, R] float tensor: score_i (minus the penalty if row i has no EOS) at its last real token."""
+    mask = response_mask.bool()
+    scores = torch.as_tensor(scores, dtype=torch.float32, device=mask.device).clone()
+    if missing_eos is not None:
+        missing = torch.as_tensor(missing_eos, dtype=torch.bool, device=mask.device)
+        scores = scores - missing_eos_penalty * missing.float()
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    last = mask.sum(-1) - 1  # -1 for an empty response: it has no token to carry a score
+    rows = (last >= 0).nonzero(as_tuple=True)[0]
+    out[rows, last[rows]] = scores[rows]
+    return out
+
+
+def mean_kl(kl, response_mask, reduce=_same) -> float:
+    """The KL the controller reads: each response's per-token mean, averaged over the responses of
+    all ranks (`reduce` sums a tensor over ranks; nan when there are none)."""
+    per_response = masked_mean(kl, response_mask, dim=-1).float()
+    total = reduce(torch.stack([per_response.sum(), torch.tensor(float(per_response.numel()), device=kl.device)]))
+    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+
+
+def apply_exact_kl_penalty(token_level_scores, kl, response_mask, beta, reduce=_same):
+    """r_t = score_t − β·KL_t for a given per-token KL: (token_level_rewards, kl, current_kl), with
+    kl zeroed under the mask."""
+    kl = zero_masked(kl, response_mask)
+    return token_level_scores - beta * kl, kl, mean_kl(kl, response_mask, reduce)
+
+
+def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, beta, kind="kl", reduce=_same):
+    """verl's apply_kl_penalty: KL_t = kl_penalty(old_log_prob, ref_log_prob, kind) at each sampled
+    token, r_t = score_t − β·KL_t. Returns (token_level_rewards, kl per token, current_kl)."""
+    return apply_exact_kl_penalty(token_level_scores, kl_penalty(old_log_prob, ref_log_prob, kind), response_mask,
+                                  beta, reduce)
