@@ -8,7 +8,7 @@ A:"
 Prompts come from `--prompt`, from `--prompts` (one per line of a text file, or the "prompt" (else
 "question") field of each line of a .jsonl file), or from `--task NAME`: the first --num-prompts
 training problems of a built-in task (nanokl/tasks/), made from the `data` section of --config
-(default configs/arith_tiny.yaml). They run in batches through `nanokl.rollout.generate` (static
+(default configs/arith_tiny.yaml). They run in batches through `nanokl.graphs.generate` (static
 KV cache; CUDA graphs on a GPU), with a progress bar when there is more than one batch.
 
 `--out FILE` writes a logged-response file for offline training (nanokl/harness/logged.py), one
@@ -44,7 +44,7 @@ from tqdm import tqdm
 from nanokl.harness.config_io import UserError, run_cli
 from nanokl.harness.data import DataError, _chat_prompt
 from nanokl.harness.hf_format import from_pretrained
-from nanokl.rollout import generate
+from nanokl.graphs import generate
 from nanokl.harness.tokenizer import apply_template, load_tokenizer
 
 PASSED_THROUGH = ("ground_truth", "data_source", "reward_model")  # what the task's rule reads

@@ -24,7 +24,7 @@ whose length is not a multiple of 16 (the graph engine's cache length is). Treat
 as +-1 per layer; the GPU check counts kernels per replay with the profiler.
 
 Rows: the actor as CPU rollouts run it (fp32, q/k/v and gate/up separate) and the rollout copy
-as CUDA rollouts run it (bf16 weights, `model.fuse_for_rollout`). Ops are split into per layer,
+as CUDA rollouts run it (bf16 weights, `fused.fuse_for_rollout`). Ops are split into per layer,
 the rest of the forward (embedding, RoPE tables, masks, final norm, LM head) and sampling plus
 bookkeeping (`sample_tokens`, `record`); the total is for the model's layer count, from counts at
 1, 2 and 3 layers (they must differ by the same per-layer count, which is checked).
@@ -43,6 +43,11 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanokl import model as M  # noqa: E402
 from nanokl.rollout import DecodeState, decode_step  # noqa: E402
+
+try:
+    from nanokl.fused import fuse_for_rollout  # noqa: E402
+except ImportError:  # an older checkout: in model.py, or not at all
+    fuse_for_rollout = getattr(M, "fuse_for_rollout", None)
 
 SHAPES = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -92,7 +97,7 @@ def count_step(shape, layers, dtype, fused, batch=32, slots=256):
     torch.manual_seed(0)
     model = M.init_weights(M.CausalLM(cfg)).to(dtype).eval().requires_grad_(False)
     if fused:
-        M.fuse_for_rollout(model)
+        fuse_for_rollout(model)
     cache = M.KVCache(cfg, batch, slots, dtype=dtype)
     cache.valid[:, :slots // 2] = True
     state = DecodeState(batch, 64, "cpu")
@@ -151,7 +156,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="build this many layers instead of extrapolating")
     args = ap.parse_args(argv)
     configs = [("actor, fp32 (CPU rollouts)", torch.float32, False)]
-    if hasattr(M, "fuse_for_rollout"):
+    if fuse_for_rollout is not None:
         configs.append(("rollout copy, bf16, fused (CUDA rollouts)", torch.bfloat16, True))
     else:  # an older checkout: its rollout copy is the plain model in bf16
         configs.append(("rollout copy, bf16 (CUDA rollouts)", torch.bfloat16, False))

@@ -1,6 +1,6 @@
 """Computed (not measured) memory per GPU of each strategy, for Qwen2.5-0.5B and Qwen2.5-7B shapes.
 
-    python bench/memory.py            # prints the README's table
+    python bench/memory.py            # prints bench/RESULTS.md's table
 
 Counts the exact parameters of nanokl's models built on the meta device (no memory used), then
 applies the bytes each strategy keeps per parameter on one GPU of a W-GPU node:

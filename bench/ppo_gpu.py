@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import train_ppo  # noqa: E402
 from nanokl import dist, workers  # noqa: E402
 from nanokl.attention import record_kernels  # noqa: E402
-from nanokl.rollout import engine_stats  # noqa: E402
+from nanokl.graphs import engine_stats  # noqa: E402
 from nanokl.harness.hf_format import save_pretrained  # noqa: E402
 from nanokl.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from nanokl.harness.tokenizer import train_tokenizer  # noqa: E402

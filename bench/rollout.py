@@ -18,7 +18,7 @@ decode step is also compared with its memory-bandwidth floor: (weight bytes + KV
 over the device-to-device copy bandwidth measured in the same run.
 
 The implementations:
-  nanokl        nanokl.rollout.generate: one prefill, fixed-shape decode on the static KV cache
+  nanokl        nanokl.graphs.generate: one prefill, fixed-shape decode on the static KV cache
                 (and CUDA graphs on CUDA)
   nanokl-eager  the same on CUDA without graphs (to show what the graphs buy)
   naive         nanokl's model re-run on the whole sequence for every new token (no cache)
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanokl.harness import hf_format as H  # noqa: E402
 from nanokl import model as M  # noqa: E402
-from nanokl.rollout import generate, make_engine  # noqa: E402
+from nanokl.graphs import generate, make_engine  # noqa: E402
 
 SHAPES = {  # Qwen2-shaped (GQA, qkv bias, tied embeddings); parameter counts printed in the table
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -46,7 +46,7 @@ fraction 0, read piecewise constant ("step": each target holds until the next po
 interpolated ("linear"). The KL-tuning article recommends a loose target early (0.1, "to
 encourage learning": a small β lets the policy find what is rewarded) and a tight one later
 (0.03, "to lock convergence": the late policy may only refine, not wander) — its claim, not a
-measurement; README.md shows what it did on the arithmetic task. The trainer calls
+measurement; bench/RESULTS.md shows what it did on the arithmetic task. The trainer calls
 `follow(fraction)` before each step; `scale` multiplies the scheduled target (the KL monitor's
 "lower target_kl" remedy changes it, nanokl/harness/monitor.py) and is saved with β.
 

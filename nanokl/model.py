@@ -34,22 +34,19 @@ The static KV cache. Generation appends one token at a time. Re-running the whol
 step costs O(T^2); caching every layer's keys and values makes a step O(T). `KVCache`
 preallocates k/v for [batch, max_len] once and the forward writes new entries *in place* at the
 slots `cache_positions`, so a decode step always has the same shapes and the same storage, which is
-what lets the rollout capture it in a CUDA graph (nanokl/rollout.py; the idea is gpt-fast's). With a
+what lets the rollout capture it in a CUDA graph (nanokl/graphs.py; the idea is gpt-fast's). With a
 cache, `attention_mask` covers only the new tokens; the cache remembers which slots hold real
 tokens. Attention then runs over all `max_len` slots with a mask, a fixed-shape trade that costs a
 little arithmetic on empty slots and buys graph capture.
 
-The rollout copy: fewer kernels per decode step. A decode step reads every weight once and does
-little arithmetic, so on a GPU its time is the weight bytes plus the launch cost of each small
-kernel (the graph removes the CPU side of a launch, not the kernel count). The copy that only
-generates (CUDA: bf16 weights, refreshed from the actor after each update) is fused by
-`fuse_for_rollout`: q|k|v in one matrix and gate|up in another (the old parameters become views
-into them, so copying weights in by name still works), the residual adds folded into the output
-matmuls (addmm), and RoPE of all q and k heads of a step as one batched matmul by a per-row
-rotation matrix. The trained actor keeps transformers' separate parameters. The masks and RoPE
-tables are built once per step, RMSNorm is one `F.rms_norm` (one kernel on CUDA), and decode
-attention is one SDPA call with fp32 scores. bench/decode_ops.py counts the result: for the
-Qwen2.5-0.5B shape, 1,269 aten ops per bf16 decode step before, 356 CUDA kernels after (13 a layer).
+Cheap by construction: the masks and RoPE tables are built once per forward and shared by every
+layer, RMSNorm is one `F.rms_norm` (one kernel on CUDA), and decode attention is one SDPA call
+with fp32 scores. One speed choice changes the arithmetic, so it lives here: on a CPU without
+autograd, a linear layer over 2-256 rows (a decode step) computes (W x^T)^T rather than x W^T
+(`linear`): the same dot products, which MKL runs 1.1-1.8x faster in that orientation for skinny
+shapes (~15% of a decode step at batch 8-32, bench/RESULTS.md), summed in another order on some
+CPUs (the last bit then differs from F.linear's). The rollout copy's fusions (q|k|v, gate|up,
+residuals in the GEMMs, RoPE as one matmul) change only the kernel count: nanokl/fused.py.
 
 The value model (critic) is the same backbone with a scalar head `score` [1, hidden] read at every
 position, named as `transformers`' `Qwen2ForTokenClassification` / `LlamaForTokenClassification`
@@ -59,8 +56,7 @@ Loading and saving Hugging Face directories (`from_pretrained`, `load_value_mode
 `save_pretrained`) is nanokl/harness/hf_format.py's job. Tests (tests/test_model.py) load random
 `transformers` models into nanokl and back and compare logits (<= 1e-4 fp32), and check that
 prefill + token-by-token decoding through the cache gives the logits of one full forward
-(<= 1e-5), also for a left-padded batch, and that a fused rollout copy computes the unfused
-model's logits, keeps its parameter names, and sees weights copied in by name.
+(<= 1e-5), also for a left-padded batch.
 """
 
 import math
@@ -116,31 +112,24 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def linear(x, weight, bias=None, residual=None):
-    """x W^T + bias, plus `residual` folded into the same GEMM (addmm) when given.
+def cpu_decode(x, rows):
+    """Whether x W^T is a decode-shaped GEMM on a CPU: a few rows, no autograd."""
+    return x.device.type == "cpu" and not torch.is_grad_enabled() and 1 < rows <= 256
 
-    When decoding on a CPU (a few rows, no autograd) it computes y = (W x^T)^T rather than x W^T.
-    The two are the same dot products (bit-identical here), but MKL's GEMM runs the first
-    orientation 1.1-1.8x faster for skinny decode shapes on the benchmark CPU (bench/RESULTS.md),
-    which makes the whole decode step ~15% faster at batch 8-32. Training (grad enabled), big
-    batches and GPUs take the ordinary path."""
+
+def linear(x, weight, bias=None):
+    """x W^T + bias; computed as (W x^T)^T when `cpu_decode` (see the module docstring). Training
+    (grad enabled), big batches and GPUs take F.linear."""
     rows = x.numel() // x.shape[-1]
-    skinny = x.device.type == "cpu" and not torch.is_grad_enabled() and 1 < rows <= 256
-    if residual is None and not skinny:
+    if not cpu_decode(x, rows):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, -1)
-    if residual is None:  # skinny: the bias rides in the GEMM, as in F.linear
-        y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())
-        return y.t().reshape(*x.shape[:-1], -1)
-    r = residual.reshape(rows, -1)
-    y = torch.addmm(r.t(), weight, x2.t()).t() if skinny else torch.addmm(r, x2, weight.t())
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], -1)
+    y = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())  # bias in the GEMM
+    return y.t().reshape(*x.shape[:-1], -1)
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear` (the skinny CPU decode orientation)."""
+    """nn.Linear through `linear` (the CPU decode orientation): same parameters, same names."""
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
@@ -182,16 +171,6 @@ def rope_tables(position_ids, inv_freq, dtype):
     return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
 
 
-def rope_rotation(cos, sin):
-    """RoPE of one position per row as a matrix: x @ R = x cos + rotate_half(x) sin, [B, d, d].
-    R = [[diag(c), diag(s)], [-diag(s), diag(c)]] in half-blocks, so one batched matmul rotates
-    the q and k heads of a decode step together (a bf16 matmul also rounds once, not three times)."""
-    c, s = cos[:, 0, 0], sin[:, 0, 0]  # [B, d]
-    h = c.shape[-1] // 2
-    signed = torch.cat((-s[:, :h], s[:, h:]), -1)
-    return torch.diag_embed(c) + torch.diag_embed(signed).roll(h, dims=-2)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -202,39 +181,34 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=qkv_bias)
         self.o_proj = Linear(self.n_heads * self.hd, cfg.hidden_size, bias=o_bias)
-        self.qkv = None  # (weight, bias) of q|k|v in one matrix: set by fuse_for_rollout
 
     def project(self, x):
-        """q, k, v as [B, T, heads, d]: three matmuls, or one in a fused rollout copy."""
+        """q, k, v as [B, T, heads, d]."""
         B, T, _ = x.shape
-        if self.qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = linear(x, *self.qkv).split([self.n_heads * self.hd, self.n_kv * self.hd,
-                                                  self.n_kv * self.hd], -1)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return q.view(B, T, -1, self.hd), k.view(B, T, -1, self.hd), v.view(B, T, -1, self.hd)
 
-    def forward(self, x, rope, lay, kv=None, cache_positions=None, residual=None):
-        B, T, _ = x.shape
-        H, n, d = self.n_heads, self.n_kv, self.hd
-        cos, sin, rot = rope
-        if rot is not None:  # fused copy, one token per row: RoPE of q and k heads in one bmm
-            qkv = linear(x, *self.qkv)[:, 0]  # [B, (H + 2 n_kv) d]
-            qk = torch.bmm(qkv[:, :(H + n) * d].view(B, H + n, d), rot)
-            q, k = qk[:, :H, None], qk[:, H:, None]  # [B, heads, 1, d]
-            v = qkv[:, (H + n) * d:].view(B, n, 1, d)
-        else:
-            q, k, v = self.project(x)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, d]
+    def heads(self, x, rope):
+        """q, k, v as [B, heads, T, d], q and k rotated to their positions (RoPE)."""
+        cos, sin = rope
+        q, k, v = self.project(x)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attend(self, q, k, v, lay, kv=None, cache_positions=None):
+        """Attention over this step's keys (and the cache's), heads concatenated: [B, T, H d]."""
+        B, _, T, _ = q.shape
         if kv is not None:  # write this step's keys/values into their slots, attend over all slots
             k_cache, v_cache = kv
             k_cache.index_copy_(2, cache_positions, k.to(k_cache.dtype))
             v_cache.index_copy_(2, cache_positions, v.to(v_cache.dtype))
             k, v = k_cache.to(q.dtype), v_cache.to(q.dtype)
-        y = A.attend(q, k, v, lay).transpose(1, 2).reshape(B, T, H * d)
-        return linear(y, self.o_proj.weight, self.o_proj.bias, residual)
+        return A.attend(q, k, v, lay).transpose(1, 2).reshape(B, T, self.n_heads * self.hd)
+
+    def forward(self, x, rope, lay, kv=None, cache_positions=None):
+        q, k, v = self.heads(x, rope)
+        return self.o_proj(self.attend(q, k, v, lay, kv, cache_positions))
 
 
 class MLP(nn.Module):
@@ -244,15 +218,9 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, m, bias=b)
         self.up_proj = Linear(h, m, bias=b)
         self.down_proj = Linear(m, h, bias=b)
-        self.gate_up = None  # (weight, bias) of gate|up in one matrix: set by fuse_for_rollout
 
-    def forward(self, x, residual=None):
-        if self.gate_up is None:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            gate, up = linear(x, *self.gate_up).chunk(2, -1)
-            h = F.silu(gate) * up
-        return linear(h, self.down_proj.weight, self.down_proj.bias, residual)
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -264,9 +232,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, lay, kv=None, cache_positions=None):
-        if self.self_attn.qkv is not None:  # fused copy: the residual adds ride in the GEMMs
-            x = self.self_attn(self.input_layernorm(x), rope, lay, kv, cache_positions, residual=x)
-            return self.mlp(self.post_attention_layernorm(x), residual=x)
         x = x + self.self_attn(self.input_layernorm(x), rope, lay, kv, cache_positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -309,7 +274,6 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gradient_checkpointing = False  # recompute each block in backward to save activations
-        self.fused = False  # q|k|v and gate|up fused for rollout (fuse_for_rollout)
         # Recomputed from the config (not saved): a non-persistent buffer follows .to(device).
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
@@ -321,8 +285,7 @@ class Decoder(nn.Module):
             past = cache.valid.sum(-1, keepdim=True) if cache is not None else 0
             position_ids = (past + real.long().cumsum(-1) - 1).clamp(min=0)
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_tables(position_ids, self.inv_freq, x.dtype)
-        rope = (cos, sin, rope_rotation(cos, sin) if self.fused and T == 1 else None)
+        rope = self.rope(x, position_ids)
 
         # who sees whom: built once here, shared by every layer (nanokl/attention.py)
         if cache is not None:
@@ -341,6 +304,10 @@ class Decoder(nn.Module):
             else:
                 x = layer(x, rope, lay, kv, cache_positions)
         return self.norm(x)
+
+    def rope(self, x, position_ids):
+        """The RoPE tables every layer rotates q and k by: (cos, sin)."""
+        return rope_tables(position_ids, self.inv_freq, x.dtype)
 
 
 class CausalLM(nn.Module):
@@ -393,35 +360,3 @@ def init_weights(model: nn.Module, std=0.02):
             nn.init.ones_(m.weight)
     return model
 
-
-def fuse_for_rollout(model: nn.Module):
-    """Fuse q|k|v and gate|up of a rollout copy into one matrix each, in place; returns the model.
-
-    A decode step is hundreds of small kernels, and the projections read the same input: one
-    [(H + 2 n_kv) d, hidden] matmul replaces three, one [2 m, hidden] replaces two. The trained
-    actor keeps transformers' separate parameters (checkpoints, FSDP, the optimizer); this is for
-    the copy that only generates. Each old parameter is rebound to a *view* into the fused matrix,
-    so `named_parameters()` and the state dict keep their names and shapes, and copying the actor's
-    weights in by name (`dist.sync_rollout_weights`, in place) writes straight into the fused
-    storage that a captured CUDA graph reads. Fuse after the last move: `model.to()` would break
-    the views apart. The fused layers also fold the residual adds into the output GEMMs and rotate
-    q and k with one matmul when decoding (DecoderLayer, Attention)."""
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        a.qkv = _fuse(a.q_proj, a.k_proj, a.v_proj)
-        m.gate_up = _fuse(m.gate_proj, m.up_proj)
-    model.model.fused = True
-    return model
-
-
-def _fuse(*linears):
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
-    start = 0
-    for lin in linears:
-        rows = slice(start, start + lin.weight.shape[0])
-        lin.weight = nn.Parameter(weight[rows], requires_grad=lin.weight.requires_grad)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
-        start = rows.stop
-    return weight, bias

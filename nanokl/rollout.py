@@ -1,4 +1,4 @@
-"""Rollout: sample responses from the policy, fast, on a static KV cache (the RLHF hot path).
+"""Rollout: sample responses from the policy on a static KV cache (the RLHF hot path).
 
 The idea
 --------
@@ -9,19 +9,17 @@ nothing to batch across time. The recipe that makes it fast is small (gpt-fast, 
    every layer's keys/values into a preallocated `KVCache` (nanokl/model.py), slots 0..P-1.
    With `n` samples per prompt the prefill still runs on B rows; the prompt slots of the cache
    rows are then repeated n times, so the prompt is never recomputed.
-2. Decode with fixed shapes. Each step feeds one token per row at cache slot P+t and reads the
-   logits of that one position. Shapes and storage never change between steps, so on CUDA the
-   whole step (forward, sampling, EOS bookkeeping, writing the outputs) is captured once into a
-   `torch.cuda.CUDAGraph` and replayed: one launch per token instead of hundreds. On CPU the very
-   same step function runs eagerly: one code path.
+2. Decode with fixed shapes. Each step (`decode_step`) feeds one token per row at cache slot P+t,
+   reads the logits of that one position, samples and records: tensors whose shapes and storage
+   never change between steps. Run eagerly, as here, a step attends over the P+t filled slots only.
 3. Sample without a host sync. Drawing E_i ~ Exp(1) and taking argmax_i p_i / E_i picks token i
    with probability p_i (E_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is
    the i-th with probability p_i / sum p), so sampling is elementwise ops plus an argmax that stay
    on the device. E_i is drawn as -log U_i with U_i ~ Uniform[0, 1), and argmax p_i / E_i is
    computed as argmax log(U_i) / p_i (the same order, one negation fewer; a filtered p_i = 0
    gives -inf and is never drawn): on the CPU uniform_ + log is 2-3x faster than exponential_,
-   which was ~10% of a small model's rollout. The host only checks "has every row finished?" (every step on CPU, where it is
-   free, every 16 steps on CUDA, where it is a sync).
+   which was ~10% of a small model's rollout. The host only checks "has every row finished?"
+   (every step on CPU, where it is free, every 16 steps on CUDA, where it is a sync).
 
 Which log-probability is returned. `log_probs[b, t]` is log softmax(logits / temperature) of the
 chosen token: the temperature-scaled distribution *before* top-k / top-p filtering. That is what
@@ -36,71 +34,18 @@ of decode steps actually run (at most `max_new_tokens`; generation stops when ev
 emitted an EOS). `response_mask` is 1 up to and including the first EOS; later tokens are pad.
 `attention_mask` and `position_ids` cover the whole sequence, ready for the training forward.
 
-The CUDA-graph engine
----------------------
-A graph replays kernels on fixed *addresses*, so everything it touches must be allocated once and
-kept: the engine of a model (`GraphEngine`, one per model, found by `generate`) owns
-
-- the buffers, sized once: a KV cache and a `DecodeState` of `max_batch` rows (rounded up to a
-  bucket) by `max_len` = longest prompt + response slots. A training run sizes it from its config
-  before the first step (`make_engine`, called by nanokl/harness/run.py: rows per rank
-  train_batch_size / W x n, or the validation chunk if larger). Batch buckets follow nano-vllm:
-  1, 2, 4, 8, then multiples of 16 up to the first one that holds max_batch; a batch runs in the
-  smallest bucket that fits it (165 rows run in 176, not 256), the extra rows computing garbage
-  that is never read.
-- the graphs: one captured decode step per key (bucket, slot span, sampling settings, EOS ids,
-  pad id), captured on its first use and then replayed for the engine's life. Nothing in the key
-  names an object: a fresh generator every PPO step must not mean a fresh capture every step.
-  The span is how much of the cache a step attends over: the first multiple of `SLOT_SPAN` (256)
-  slots that holds the filled ones, capped at max_len, so a step at slot 300 of a 1024-slot cache
-  reads 512 slots, not 1024. A call captures every span it will reach before its prefill (a
-  capture's warm-up runs write into the buffers).
-- its own random generator, registered with every graph (a graph replays the random kernels of
-  the generators registered with it, advancing their offsets). The caller's generator state is
-  copied into it before the prefill and copied back after the last step, so a seed chooses the
-  tokens exactly as in eager decoding and the caller's generator advances as if it had drawn them.
-  (Exactly, when the batch fills its bucket. A smaller batch draws noise for the whole bucket
-  every step, so its tokens are a different draw from the same distribution as eager decoding's.)
-
-A call that does not fit (more rows or more slots than sized, or weights moved to new storage by
-`model.to()` / a new module: their old addresses are what the graphs read) *rebuilds* the engine:
-new buffers, every graph dropped and captured again on use, `rebuilds` counted. Rebuilding rather
-than refusing keeps `generate` a plain library call (generate.py and the benchmarks never size an
-engine; the first call sizes it, slots rounded up to 128); in training it is a sizing bug, which
-`engine_stats` shows and tests/test_rollout_graphs.py keeps at zero. The PPO update must change the
-parameters in place (`optimizer.step()`, `param.copy_()`) so the next replay sees the new weights
-for free.
-
-`engine_stats(model)` -> {"captures", "rebuilds", "graphs", "buckets", "max_len"}: graphs captured
-and rebuilds since `make_engine` (or the first call), live graphs, and the sizing; a 4-step PPO run
-should show one capture per (bucket, span, sampling setting) it used and no rebuild.
-
-The CUDA graph API is reached through `graph_api` only, so the CPU tests can swap in a stand-in
-that records the step's aten ops at capture and re-executes them on replay.
+Speed: nanokl/graphs.py captures this `decode_step` once in a CUDA graph and replays it (its `generate`).
 
 Tests: tests/test_rollout.py (greedy equals argmax over full forwards without cache; returned
 log-probs equal a training forward; top-k/top-p never sample outside the allowed set; seeded
-sampling frequencies pass a chi-square test; EOS and masks), tests/test_rollout_graphs.py (on CPU,
-with the recording stand-in: captures once per bucket over a simulated PPO run with new seeds
-each step; seeds honoured; replay equals eager, across spans too; the step never syncs with the
-host and writes only into the engine's buffers; a CPU train_ppo run sizes the engine once) and tests/test_rollout_cuda.py (on a GPU: replay equals eager in fp32,
-and in bf16 the graph's tokens agree with a teacher-forced forward; a weight update is seen by the
-replayed graph; moved weights are captured again).
+sampling frequencies pass a chi-square test; EOS and masks).
 """
 
-import weakref
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from nanokl.model import KVCache
-
-# The CUDA graph API, reached only through here: tests/test_rollout_graphs.py swaps in a stand-in
-# that records and replays on CPU. Graphs run on `device_type`.
-graph_api = SimpleNamespace(device_type="cuda", CUDAGraph=torch.cuda.CUDAGraph, graph=torch.cuda.graph,
-                            Stream=torch.cuda.Stream, stream=torch.cuda.stream,
-                            current_stream=torch.cuda.current_stream, graph_pool_handle=torch.cuda.graph_pool_handle)
 
 
 @dataclass
@@ -177,8 +122,8 @@ def record(state, token, logp, eos_ids, pad_token_id):
 
 
 def decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator=None):
-    """One token for every row: forward at `state.slot`, sample, record. Fixed shapes throughout,
-    so this function is what the CUDA graph captures; on CPU it simply runs."""
+    """One token for every row: forward at `state.slot`, sample, record. Fixed shapes throughout
+    (what a CUDA graph can capture, nanokl/graphs.py)."""
     logits = model(state.tokens, position_ids=state.positions, cache=cache, cache_positions=state.slot)
     token, logp = sample_tokens(logits[:, -1], **sampling, generator=generator)
     record(state, token, logp, eos_ids, pad_token_id)
@@ -187,50 +132,41 @@ def decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator=
 
 
 def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0,
-             do_sample=True, eos_token_id=None, pad_token_id=0, generator=None, use_cuda_graph=None,
-             n=1) -> RolloutOutput:
-    """Sample `n` responses per left-padded prompt; see the module docstring for the layout.
-    `use_cuda_graph` (default: on CUDA) replays the decode step from the model's graph engine."""
+             do_sample=True, eos_token_id=None, pad_token_id=0, generator=None, n=1) -> RolloutOutput:
+    """Sample `n` responses per left-padded prompt, eagerly; see the module docstring for the layout."""
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
     with torch.inference_mode():
-        out = _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, do_sample,
-                        eos_token_id, pad_token_id, generator, use_cuda_graph, n)
-    # cloned outside inference mode: ordinary tensors that a training forward may use under autograd
-    return RolloutOutput(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(out).items()})
+        out = _generate(model, input_ids, attention_mask, max_new_tokens, sampling, eos_list(eos_token_id),
+                        pad_token_id, generator, n)
+    return cloned(out)
 
 
-def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, do_sample,
-              eos_token_id, pad_token_id, generator, use_cuda_graph, n) -> RolloutOutput:
+def _generate(model, input_ids, attention_mask, R, sampling, eos, pad_token_id, generator, n) -> RolloutOutput:
     dev = input_ids.device
     B, P = input_ids.shape
-    N, R = B * n, max_new_tokens
-    eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     eos_ids = torch.tensor(eos, dtype=torch.long, device=dev)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
-    graphs_here = dev.type == graph_api.device_type
-    use_cuda_graph = graphs_here if use_cuda_graph is None else bool(use_cuda_graph) and graphs_here
+    cache = KVCache(model.config, B * n, P + R, device=dev, dtype=next(model.parameters()).dtype)
+    state = DecodeState(B * n, max(R, 1), dev)
+    prompt = prefill(model, cache, cache.view(rows=B), state, input_ids, attention_mask, n, R, eos_ids,
+                     pad_token_id, sampling, generator)
+    # each step attends over the P + t filled slots only (a graph must keep the full cache)
+    steps = decode(state, R, lambda t: decode_step(model, cache.view(slots=P + t), state, eos_ids, pad_token_id,
+                                                   sampling, generator))
+    return trim(state, steps, eos_ids, *prompt)
 
-    if use_cuda_graph:
-        engine = _engine_for(model, N, P + R)
-        cache, state = engine.cache, engine.state.rows(N)
-        # capture (first use only) every slot span this call will reach, before the prefill: the
-        # warm-up runs scribble on the cache and the state
-        spans = sorted({engine.span(P + t) for t in range(1, R)})
-        graphs = {S: engine.graph(model, engine.bucket(N), S, eos, pad_token_id, sampling) for S in spans}
-        caller_gen = generator if generator is not None else _default_generator(dev)
-        generator = engine.gen  # the one the graphs draw from: it takes over the caller's state
-        generator.set_state(caller_gen.get_state())
-        prefill_cache = cache.view(rows=B, slots=P)  # the prompt needs only its own slots
-    else:
-        cache = KVCache(model.config, N, P + R, device=dev, dtype=next(model.parameters()).dtype)
-        state = DecodeState(N, max(R, 1), dev)
-        prefill_cache = cache.view(rows=B)
+
+def prefill(model, cache, prompt_cache, state, input_ids, attention_mask, n, R, eos_ids, pad_token_id, sampling,
+            generator):
+    """1. Run the B prompts once, through `prompt_cache` (a view of the cache's first B rows); repeat
+    their rows n times; sample and record the first response token (when R > 0). Returns the
+    prompts' ids, mask and positions, n times each."""
+    dev = input_ids.device
+    B, P = input_ids.shape
     cache.reset()
     state.done.zero_()
-
-    # 1. prefill the B prompts once; repeat their cache rows (and last logits) n times
     mask = attention_mask.bool()
     prompt_pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids, mask, prompt_pos, cache=prefill_cache, cache_positions=torch.arange(P, device=dev),
+    logits = model(input_ids, mask, prompt_pos, cache=prompt_cache, cache_positions=torch.arange(P, device=dev),
                    logits_to_keep=1)[:, -1]
     if n > 1:
         _repeat_rows(cache, B, n, P)
@@ -242,23 +178,25 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top
         record(state, token, logp, eos_ids, pad_token_id)
         state.positions.copy_(mask.sum(-1, keepdim=True))  # the first response token's position
         state.slot.fill_(P)
+    return input_ids, mask, prompt_pos
 
-    # 2. decode: one fixed-shape step per token, replayed from a CUDA graph when available
+
+def decode(state, R, step):
+    """2. `step(t)` for t = 1, 2, ... until R columns, or until every row has emitted an EOS.
+    Returns the number of columns sampled."""
     steps = 1
-    check_every = 16 if dev.type == "cuda" else 1
+    check_every = 16 if state.done.device.type == "cuda" else 1
     while steps < R:
         if steps % check_every == 0 and bool(state.done.all()):
             break
-        if use_cuda_graph:
-            graphs[engine.span(P + steps)].replay()  # attends over a span that holds the P + steps slots
-        else:
-            # attend over the P + steps filled slots only (a graph must keep the full cache)
-            decode_step(model, cache.view(slots=P + steps), state, eos_ids, pad_token_id, sampling, generator)
+        step(steps)
         steps += 1
-    if use_cuda_graph:
-        caller_gen.set_state(generator.get_state())  # the caller's generator advances as if it had drawn
+    return steps
 
-    # 3. trim to the columns that have a real token somewhere, and build the training inputs
+
+def trim(state, steps, eos_ids, input_ids, mask, prompt_pos) -> RolloutOutput:
+    """3. Keep the columns that have a real token somewhere, and build the training inputs."""
+    dev = input_ids.device
     responses = state.out_tokens[:, :steps].clone()
     is_eos = torch.isin(responses, eos_ids)
     response_mask = ((is_eos.long().cumsum(-1) - is_eos.long()) == 0).long()
@@ -273,8 +211,18 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, temperature, top
         responses=responses,
         response_mask=response_mask,
         log_probs=log_probs,
-        prompt_length=P,
+        prompt_length=input_ids.shape[1],
     )
+
+
+def eos_list(eos_token_id):
+    """None, one id or several, as a list."""
+    return [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+
+
+def cloned(out):
+    """Cloned outside inference mode: ordinary tensors that a training forward may use under autograd."""
+    return RolloutOutput(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(out).items()})
 
 
 def _repeat_rows(cache, B, n, P):
@@ -283,117 +231,3 @@ def _repeat_rows(cache, B, n, P):
     for t, dim, slot_dim in ((cache.k, 1, 3), (cache.v, 1, 3), (cache.valid, 0, 1)):
         src = t.narrow(dim, 0, B).narrow(slot_dim, 0, P).repeat_interleave(n, dim)
         t.narrow(dim, 0, B * n).narrow(slot_dim, 0, P).copy_(src)
-
-
-def _default_generator(dev):
-    if dev.type == "cuda":
-        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
-    return torch.default_generator
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA graphs: buffers sized once per model, one captured decode step per bucket and setting.
-
-_ENGINES = weakref.WeakKeyDictionary()  # model -> its GraphEngine, dropped with the model
-SLOT_SPAN = 256  # a decode graph attends over the first multiple of this many slots that holds the filled ones
-
-
-def make_engine(model, max_batch, max_len):
-    """Size `model`'s graph engine for calls of at most `max_batch` rows (prompts x n) and
-    `max_len` slots (prompt + response), replacing any engine it had. Returns it, or None on a
-    device without graphs (CPU decodes eagerly and needs none)."""
-    if next(model.parameters()).device.type != graph_api.device_type:
-        return None
-    _ENGINES[model] = GraphEngine(model, max_batch, max_len)
-    return _ENGINES[model]
-
-
-def engine_stats(model) -> dict:
-    """Captures and rebuilds of `model`'s engine so far, its live graphs and its sizing (zeros and
-    no buckets when it has none: CPU, or graphs off)."""
-    eng = _ENGINES.get(model)
-    if eng is None:
-        return {"captures": 0, "rebuilds": 0, "graphs": 0, "buckets": [], "max_len": 0}
-    return {"captures": eng.captures, "rebuilds": eng.rebuilds, "graphs": len(eng.graphs),
-            "buckets": list(eng.buckets), "max_len": eng.max_len}
-
-
-def batch_buckets(max_batch):
-    """1, 2, 4, 8, then multiples of 16, up to the first bucket that holds max_batch rows."""
-    sizes = [1, 2, 4, 8, *range(16, max_batch + 16, 16)]
-    top = next(b for b in sizes if b >= max_batch)
-    return [b for b in sizes if b <= top]
-
-
-def _engine_for(model, rows, length):
-    """The engine of this model, made by this call when there is none, rebuilt when the call does
-    not fit it (see the module docstring)."""
-    eng = _ENGINES.get(model)
-    roomy = -(-length // 128) * 128  # slots rounded up: a slightly longer prompt next time still fits
-    if eng is None:
-        eng = _ENGINES[model] = GraphEngine(model, rows, roomy)
-    elif not eng.fits(model, rows, length):
-        eng.rebuild(model, max(rows, eng.buckets[-1]), eng.max_len if length <= eng.max_len else roomy)
-    return eng
-
-
-def _weight_ptrs(model):
-    return [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
-
-
-class GraphEngine:
-    """The static buffers of one model's rollout and its captured decode steps."""
-
-    def __init__(self, model, max_batch, max_len):
-        self.captures = self.rebuilds = 0
-        self._allocate(model, max_batch, max_len)
-
-    def _allocate(self, model, max_batch, max_len):
-        self.graphs, self.cache, self.state = {}, None, None  # free the old ones before allocating anew
-        p = next(model.parameters())
-        self.buckets, self.max_len = batch_buckets(max(max_batch, 1)), max_len
-        self.ptrs = _weight_ptrs(model)
-        self.cache = KVCache(model.config, self.buckets[-1], max_len, device=p.device, dtype=p.dtype)
-        self.state = DecodeState(self.buckets[-1], max_len, p.device)
-        self.gen = torch.Generator(p.device)
-        self.pool = graph_api.graph_pool_handle()
-
-    def rebuild(self, model, max_batch, max_len):
-        self.rebuilds += 1
-        self._allocate(model, max_batch, max_len)
-
-    def fits(self, model, rows, length):
-        return rows <= self.buckets[-1] and length <= self.max_len and self.ptrs == _weight_ptrs(model)
-
-    def bucket(self, rows):
-        return next(b for b in self.buckets if b >= rows)
-
-    def span(self, filled):
-        """Cache slots a decode step attends over when `filled` slots are in use."""
-        return min(-(-filled // SLOT_SPAN) * SLOT_SPAN, self.max_len)
-
-    def graph(self, model, bucket, span, eos, pad_token_id, sampling):
-        """The captured decode step for this bucket, span and setting (captured on its first use)."""
-        key = (bucket, span, tuple(sampling.items()), tuple(eos), pad_token_id)
-        if key not in self.graphs:
-            # the graph reads the EOS ids from this tensor's address on every replay: keep it alive
-            eos_static = torch.tensor(eos, dtype=torch.long, device=self.cache.k.device)
-            self.graphs[key] = (self._capture(model, bucket, span, eos_static, pad_token_id, sampling), eos_static)
-        return self.graphs[key][0]
-
-    def _capture(self, model, bucket, span, eos_ids, pad_token_id, sampling):
-        self.captures += 1
-        cache, state = self.cache.view(rows=bucket, slots=span), self.state.rows(bucket)
-        for t in (state.slot, state.col, state.positions, state.done):
-            t.zero_()  # warm-up writes at slot/column 0..1; generate() re-initialises all of it after
-        s = graph_api.Stream()
-        s.wait_stream(graph_api.current_stream())
-        with graph_api.stream(s):  # warm-up (cuBLAS handles, allocator) off the capture stream
-            for _ in range(2):
-                decode_step(model, cache, state, eos_ids, pad_token_id, sampling, self.gen)
-        graph_api.current_stream().wait_stream(s)
-        graph = graph_api.CUDAGraph()
-        graph.register_generator_state(self.gen)
-        with graph_api.graph(graph, pool=self.pool):
-            decode_step(model, cache, state, eos_ids, pad_token_id, sampling, self.gen)
-        return graph

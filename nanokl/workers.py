@@ -1,84 +1,47 @@
 """The actor and the critic at work: micro-batched forwards and the PPO update loops.
 
-The idea
---------
-After rollout, a PPO step runs the same few forwards over a batch of sequences
-`[prompt | response]` and then several epochs of gradient steps (Schulman et al. 2017):
+After rollout, a PPO step runs a few forwards over a batch of sequences `[prompt | response]`
+and then epochs of gradient steps (Schulman et al. 2017; verl's dp_actor.py / dp_critic.py):
 
-    old log-probs + entropy   actor, no grad       what π_old assigned to each sampled token
-    ref log-probs             reference, no grad   the anchor of the KL penalty
-    values                    critic, no grad      V(s_t) for GAE
-    update_actor              ppo_epochs x mini-batches x micro-batches of the clipped loss
-    update_critic             the same loop with the clipped value loss
-
-The first forward is often redundant. When the rollout sampled from the actor itself at the same
-precision (on CPU: the same fp32 module) and temperature, its recorded log-probs *are* π_old's, up
-to float error (~1e-6 here: the decode step and a training forward sum in other orders), so the
-trainer takes them instead (verl's `algorithm.rollout_correction.bypass_mode`;
-`rollout_log_probs_are_old` says when) and `update_actor` records the entropy metric from the
-logits it computes anyway (`entropy_out`). TRL's GRPOTrainer saves the same forward another way,
-valid only for one update per batch: it uses the detached current log-probs as the old ones.
+    compute_log_probs   actor (π_old) or reference, no grad: the log-prob of each sampled token
+    compute_values      critic, no grad: V(s_t) for GAE
+    compute_full_kl     actor and reference on the same rows: the exact KL over the vocabulary
+    update_actor        ppo_epochs x mini-batches x micro-batches of the clipped policy loss
+    update_critic       the same loop with the clipped value loss
 
 The log-prob of response token t comes from the logits at position P+t-1 (the token before it),
-divided by the sampling temperature so that it is the quantity the rollout recorded (nanokl/rollout.py);
-only those R positions go through the LM head (`logits_to_keep`), which saves a [N, P, V] matrix.
-Values are read at the same positions: V(s_t) is the critic's output on the prefix that
-precedes token t.
+divided by the sampling temperature, so it is the quantity the rollout recorded
+(nanokl/rollout.py); only those R positions go through the LM head (`logits_to_keep`). Values are
+read at the same positions: V(s_t) is the critic's output on the prefix that precedes token t.
+
+π_old's forward is often redundant. When the rollout sampled from the actor itself at the same
+precision (on CPU, the same fp32 module) and temperature, its log-probs *are* π_old's up to float
+error (~1e-6: the decode step sums in another order), so setup takes them instead (verl's
+`algorithm.rollout_correction.bypass_mode`; `rollout_log_probs_are_old` says when) and
+`update_actor` returns the entropy from the logits it computes anyway (`record_entropy`). TRL's
+GRPOTrainer saves the same forward another way, valid for one update per batch only: it uses the
+detached current log-probs as the old ones.
 
 Mini- and micro-batches (verl's names). A mini-batch is what one optimizer step sees
 (`ppo_mini_batch_size` prompts x `rollout.n` responses, over all ranks); it is cut into
 micro-batches of `ppo_micro_batch_size_per_gpu` responses, or under a token budget
 (`use_dynamic_bsz`, nanokl/batching.py), optionally packed without padding
-(`use_remove_padding`), and their gradients accumulate. Each micro-batch's loss is aggregated
-with the *whole mini-batch's* denominator (`global_norm`: its token count for token-mean, its
-sequence count for the seq-mean modes, summed over ranks; see nanokl/ppo.py), so the accumulated
-gradient is exactly the gradient of the mini-batch loss, whatever the micro-batching and the
-number of ranks (nanokl/dist.py).
+(`use_remove_padding`), and their gradients accumulate. Each micro-batch's loss is aggregated with
+the *whole mini-batch's* denominator (its token count for token-mean, its sequence count for the
+seq-mean modes, summed over ranks; nanokl/ppo.py), so the accumulated gradient is exactly the
+gradient of the mini-batch loss, whatever the micro-batching and the number of ranks. A
+mini-batch whose loss or gradient is not finite is skipped (`actor/nan_skipped`); the trainer
+stops after three such steps in a row.
 
-A mini-batch whose loss or gradient is not finite (a NaN from an overflow, a bad sample) is
-skipped: its gradients are dropped and `actor/nan_skipped` counts it; the training loop stops the
-run after three such steps in a row (train_ppo.py). This mirrors verl's dp_actor.py /
-dp_critic.py (`compute_log_prob`, `update_policy`, `compute_values`, `update_critic`).
-
-The exact KL from logits (kind `full`, nanokl/kl.py)
---------------------------------------------------
-The estimators k1/k2/k3 need one number per token from each model, the log-prob of the sampled
-token; the exact KL(π‖π_ref) = Σ_v π(v)(log π(v) − log π_ref(v)) at a position needs both
-models' whole next-token distributions. So `full` runs the policy and the reference on the same
-micro-batch and reduces their [n, R, V] logits to [n, R] before the next micro-batch starts:
-`compute_full_kl` for the KL in the reward, and `update_actor` (which then takes `ref`) for the KL
-as a loss, where the gradient flows through the policy's logits only. Both logits are divided by
-the sampling temperature, like every log-prob here, so the KL is between the distributions the
-rollout sampled from.
-
-`compute_full_kl` is a pass of its own, not fused into `compute_log_probs`: the non-full path
-then stays exactly as it was (each model under its own micro-batch spec, one [n, R, V] tensor at
-a time), and only a run that asks for `full` pays for it, with one more forward of each model.
-
-Memory of `full`. Write E = mb·R·V for a micro-batch of mb responses of R tokens over a
-vocabulary of V, and count the live [mb, R, V] tensors (fp32, 4 bytes a number; on CUDA the
-LM head's bf16 output, 2E bytes, lives only until it is cast):
-  compute_full_kl (no grad): policy logits, reference logits, log π, and inside the sum
-      Δ = log π − log π_ref, π = exp(log π) and π·Δ (log π_ref is freed once Δ exists):
-      6 tensors, peak 24·E bytes.
-  update_actor, kl_loss_type=full: the same six, plus the entropy bonus's softmax when
-      entropy_coeff > 0: peak 28·E bytes in the forward (24·E without the bonus). Autograd
-      keeps for the backward the policy logits, log π, π, Δ (and the softmax): 20·E bytes
-      (16·E), against 8·E (4·E) for a sampled-token kind; the reference logits are freed
-      when the micro-batch's loss is built, and the backward's peak is the forward's.
-(Counted op by op with an allocation trace on CPU, where the LM head already returns fp32.)
-For mb = 8, R = 512, V = 151936 (Qwen2.5): E = 622,329,856 numbers, 2.49 GB (2.32 GiB) a tensor;
-the reward pass peaks at 14.9 GB (13.9 GiB), the loss at 17.4 GB (16.2 GiB) in the forward with
-12.4 GB (11.6 GiB) saved for the backward. Model weights, activations and optimizer state come
-on top. A smaller micro-batch (or token budget) is the knob: every figure is linear in mb·R.
-
-tests/test_workers.py checks when the rollout's log-probs may stand in for old log-probs, that the
-update they give equals the recomputed one (gradient within 1e-5 relative), that the entropy is
-recorded from each row's first pass; and that the micro-batched gradient (fixed count and token budget) equals
-the one-batch gradient for every loss_agg_mode, that the log-probs equal a per-sequence float64
-reference, that `compute_full_kl` equals a per-sequence float64 torch `kl_div` and does not depend
-on the micro-batching, and that the micro-batched gradient of the `full` KL loss equals the
-one-batch gradient of kl_div; tests/test_batching.py that packed forwards equal padded ones.
+The exact KL (kind `full`, nanokl/kl.py) needs both models' whole next-token distributions, so
+the reference runs on the same micro-batch and the two [n, R, V] logits are reduced to [n, R]
+before the next micro-batch starts (`compute_full_kl` for the reward; `exact_kl_loss` for the
+loss, the gradient through the policy's logits only). Its memory, counted op by op with an
+allocation trace on CPU, for E = mb·R·V numbers a tensor (fp32, 4 bytes): the reward pass keeps 6
+such tensors, peak 24·E bytes; the loss peaks at 28·E in the forward with the entropy bonus (24·E
+without) and keeps 20·E (16·E) for the backward, against 8·E (4·E) for a sampled-token kind. For
+mb = 8, R = 512, V = 151936 (Qwen2.5) one tensor is 2.49 GB: the reward pass peaks at 14.9 GB, the
+loss at 17.4 GB. A smaller micro-batch (or token budget) is the knob: every figure is linear in mb·R.
 """
 
 import contextlib

@@ -1,6 +1,6 @@
 """A CPU stand-in for torch.cuda's graph API, for tests/test_rollout_graphs.py.
 
-`FakeGraphs` is what `nanokl.rollout.graph_api` holds during those tests. It keeps what matters of
+`FakeGraphs` is what `nanokl.graphs.graph_api` holds during those tests. It keeps what matters of
 CUDA graph semantics: capture records the aten ops of the decode step (a TorchDispatchMode) and
 leaves no trace (every buffer it wrote is restored: a real capture runs nothing); replay
 re-executes those ops on the same static tensors, so in-place writes land in the captured buffers,
@@ -119,7 +119,7 @@ class FakeStream:
 
 
 class FakeGraphs:
-    """What rollout.graph_api holds, for graphs that run on CPU tensors."""
+    """What graphs.graph_api holds, for graphs that run on CPU tensors."""
     device_type = "cpu"
 
     def __init__(self):

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from nanokl import attention as A
 from nanokl import model as M
+from nanokl.fused import fuse_for_rollout
 
 
 def reference(q, k, v, visible):
@@ -96,7 +97,7 @@ def tiny_model(fused=False):
                         num_attention_heads=4, num_key_value_heads=2, rope_theta=1e4)
     torch.manual_seed(0)
     m = M.init_weights(M.CausalLM(cfg), std=0.2).eval()
-    return M.fuse_for_rollout(m) if fused else m
+    return fuse_for_rollout(m) if fused else m
 
 
 @pytest.mark.parametrize("fused", [False, True])

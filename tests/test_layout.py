@@ -129,7 +129,7 @@ def test_lesson_modules_import_only_earlier_modules_of_the_course():
                     bad.append(f"{where}, which is not a lesson module of README's course table")
                 elif rank[dep] >= rank[m]:
                     bad.append(f"{where}, which comes at or after it in README's course order "
-                               f"(#{rank[dep] + 1} vs #{rank[m] + 1})")
+                               f"({m} is #{rank[m] + 1}, {dep} is #{rank[dep] + 1})")
                 continue
             if root in OPTIONAL_KERNELS and not top:
                 continue

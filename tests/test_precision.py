@@ -19,6 +19,7 @@ import torch
 
 from nanokl import model as M
 from nanokl import workers as W
+from nanokl.fused import fuse_for_rollout
 from nanokl.kl import kl_penalty
 from nanokl.rollout import generate
 
@@ -36,7 +37,7 @@ def test_cuda_precision_setup_on_cpu(monkeypatch):
     torch.manual_seed(0)
     actor = M.init_weights(M.CausalLM(M.ModelConfig(**CFG)), std=0.1).eval()
     ref = copy_of(actor)  # as setup() now loads it: fp32
-    rollout = M.fuse_for_rollout(copy_of(actor, torch.bfloat16))
+    rollout = fuse_for_rollout(copy_of(actor, torch.bfloat16))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, 97, (16, 8), generator=g)
     mask = torch.ones_like(ids)

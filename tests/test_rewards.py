@@ -101,10 +101,10 @@ def test_exact_penalty_takes_the_given_kl_and_a_reduce_adds_shards():
     assert torch.equal(rewards, -2.0 * kl0) and kl0[0, 2] == 0 and kl0[3].eq(0).all()
     naive = [(kl[0, 0] + kl[0, 1]).item() / 2, kl[1, 0].item(), kl[2].sum().item() / 3, 0.0]
     assert current == pytest.approx(sum(naive) / 4, rel=1e-6)
-    # two shards whose sums a reduce adds: the mean of the whole batch
-    other = torch.rand(2, 3, generator=g)
-    omask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    stats = torch.stack([torch.tensor([(other[0].sum() / 3).item() + other[1, 0].item()]).squeeze(), torch.tensor(2.0)])
-    both = mean_kl(kl0, mask, reduce=lambda s: s + stats)
-    assert both == pytest.approx((sum(naive) + stats[0].item()) / 6, rel=1e-6)
+    # two ranks: a reduce that adds the other rank's sums gives the mean over both ranks' responses
+    other, omask = torch.rand(2, 3, generator=g), torch.tensor([[1, 1, 1], [1, 0, 0]])
+    sent = []
+    mean_kl(other, omask, reduce=lambda s: sent.append(s) or s)  # what the other rank contributes
+    both = mean_kl(kl0, mask, reduce=lambda s: s + sent[0])
+    assert both == pytest.approx((sum(naive) + other[0].sum().item() / 3 + other[1, 0].item()) / 6, rel=1e-6)
     assert math.isnan(mean_kl(torch.zeros(0, 3), torch.zeros(0, 3)))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nanokl import model as M
-from nanokl.rollout import engine_stats, generate, make_engine
+from nanokl.graphs import engine_stats, generate, make_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -1,6 +1,6 @@
-"""nanokl.rollout's CUDA-graph discipline, checked on CPU with a recording stand-in for CUDA graphs.
+"""nanokl.graphs' CUDA-graph discipline, checked on CPU with a recording stand-in for CUDA graphs.
 
-The stand-in (`FakeGraphs` in tests/fake_cuda_graph.py, swapped in for `rollout.graph_api`) keeps what matters of CUDA graph
+The stand-in (`FakeGraphs` in tests/fake_cuda_graph.py, swapped in for `graphs.graph_api`) keeps what matters of CUDA graph
 semantics: capture records the aten ops of the decode step (a TorchDispatchMode) and leaves no
 trace (every buffer it wrote is restored: a real capture runs nothing); replay re-executes those
 ops on the same static tensors, so in-place writes land in the captured buffers, intermediates are
@@ -31,9 +31,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_cuda_graph import FakeGraphs, host_sync, storage, written
+from nanokl import graphs
 from nanokl import model as M
-from nanokl import rollout
-from nanokl.rollout import DecodeState, batch_buckets, decode_step, engine_stats, generate, make_engine
+from nanokl.fused import fuse_for_rollout
+from nanokl.graphs import batch_buckets, engine_stats, generate, make_engine
+from nanokl.rollout import DecodeState, decode_step
 
 V, EOS, PAD = 48, 1, 0
 
@@ -50,7 +52,7 @@ def one_thread():
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeGraphs()
-    monkeypatch.setattr(rollout, "graph_api", f)
+    monkeypatch.setattr(graphs, "graph_api", f)
     return f
 
 
@@ -78,7 +80,7 @@ def test_the_stand_in_records_and_replays_like_a_cuda_graph(fake):
 
 
 def tiny_model(seed=0, scale=0.15, fused=False):
-    """fused: q|k|v and gate|up fused, as the rollout copy of a CUDA run is (M.fuse_for_rollout)."""
+    """fused: q|k|v and gate|up fused, as the rollout copy of a CUDA run is (fused.fuse_for_rollout)."""
     torch.manual_seed(seed)
     cfg = M.ModelConfig(model_type="qwen2", vocab_size=V, hidden_size=32, intermediate_size=64,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=1e4)
@@ -86,7 +88,7 @@ def tiny_model(seed=0, scale=0.15, fused=False):
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0.0, scale)
-    return M.fuse_for_rollout(m.eval()) if fused else m.eval()
+    return fuse_for_rollout(m.eval()) if fused else m.eval()
 
 
 def prompts(B, T, seed):
@@ -189,7 +191,7 @@ def test_a_batch_smaller_than_its_bucket_samples_from_the_model_and_honours_its_
 
 
 def test_decode_crosses_slot_spans_with_one_graph_each(fake, monkeypatch):
-    monkeypatch.setattr(rollout, "SLOT_SPAN", 4)  # spans of 4 slots: 6 + 13 slots reach spans 8..20
+    monkeypatch.setattr(graphs, "SLOT_SPAN", 4)  # spans of 4 slots: 6 + 13 slots reach spans 8..20
     m = tiny_model(8)
     make_engine(m, 4, 6 + 14)
     ids, mask = prompts(4, 6, seed=8)

@@ -117,7 +117,7 @@ def test_full_kl_in_the_reward_equals_kl_div_recomputed(sft_dir, tmp_path, monke
     def spy(actor, ref, batch, temperature, spec):
         out = original(actor, ref, batch, temperature, spec)
         models = copy.deepcopy(dist.unwrap(actor)).double(), copy.deepcopy(dist.unwrap(ref)).double()
-        seen.append((models, {k: v.clone() for k, v in batch.items()}, temperature, out))
+        seen.append((models, {k: v.clone() for k, v in batch.items() if v is not None}, temperature, out))
         return out
     monkeypatch.setattr(workers, "compute_full_kl", spy)
     rows = run(sft_dir, tmp_path, "algorithm.kl_penalty=full", "trainer.test_freq=-1")

@@ -9,6 +9,10 @@
   forwards and does not depend on the micro-batching; the micro-batched gradient of the `full` KL
   loss equals the one-batch gradient of kl_div, and its metrics (kl_loss, k1, k3) equal their
   one-batch values.
+- Bypass: where the rollout's log-probs may stand in for the old ones (rollout_log_probs_are_old),
+  the update they give equals the recomputed one (gradient within 1e-5 relative), and the entropy
+  update_actor returns comes from each row's first pass (checked against copies of the policy
+  before and after the first optimizer step).
 """
 
 from types import SimpleNamespace

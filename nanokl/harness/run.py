@@ -56,14 +56,12 @@ from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
 from nanokl.harness.monitor import CHECKS, KLMonitor
 from nanokl.harness.scoring import validate
+from nanokl.harness.stages import load_rm, train_missing_stages
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
 from nanokl.kl_ctrl import FixedKLController, make_kl_controller
-from nanokl.model import fuse_for_rollout
-from nanokl.rollout import make_engine
-from nanokl.supervised.reward_model import build_ranked_data, load_reward_model
-from nanokl.supervised.reward_model import train_from_config as train_reward_model
-from nanokl.supervised.sft import train_sft
+from nanokl.fused import fuse_for_rollout
+from nanokl.graphs import make_engine
 from nanokl.tasks import TASKS
 from nanokl.workers import rollout_log_probs_are_old
 
@@ -166,44 +164,6 @@ def _check_world(cfg, W, needs_critic):
             raise UserError(f"{key}=none runs one process, but torchrun started {W}: use ddp or fsdp2")
 
 
-def _train_missing_stages(cfg, rank):
-    """The warm start (reference policy) and the reward model, when the config says how to make them."""
-    model_path, rm_path = Path(cfg.actor_rollout_ref.model.path), cfg.reward_model.model.path
-    if (not (model_path / "config.json").exists() and TASKS[cfg.data.task].demonstrations is not None
-            and model_path == Path(cfg.sft.output_dir)):
-        if rank == 0:
-            print(f"no reference policy at {model_path}: training the warm start first (nanokl.supervised.sft)",
-                  file=sys.stderr)
-            train_sft(cfg)
-        dist.barrier()
-    if not model_path.is_dir():
-        raise UserError(f"model directory {str(model_path)!r} does not exist (actor_rollout_ref.model.path)")
-    ranked, offline = cfg.reward_model.train.data_path, cfg.data.offline_files
-    if offline and ranked in offline and not Path(ranked).is_file():
-        if rank == 0:  # the logged responses are the reward model's ranked warm-start samples: make them first
-            print(f"no logged responses at {ranked}: sampling and ranking them from the warm start first "
-                  "(nanokl.supervised.preference_data)", file=sys.stderr)
-            build_ranked_data(cfg)
-        dist.barrier()
-    if cfg.reward_model.enable and not (Path(rm_path) / "config.json").exists() and cfg.reward_model.train.data_path:
-        if rank == 0:  # the config says how to distil one from rankings: do it first, like the warm start
-            print(f"no reward model at {rm_path}: training it from rankings first (nanokl.supervised.reward_model)",
-                  file=sys.stderr)
-            train_reward_model(cfg)
-        dist.barrier()
-
-
-def _load_rm(cfg, device):
-    rm_path = cfg.reward_model.model.path
-    rm = load_reward_model(rm_path, device=device).eval()
-    rm_tok = Path(rm_path) / "tokenizer.json"
-    policy_tok = Path(cfg.actor_rollout_ref.model.tokenizer_path) / "tokenizer.json"
-    if rm_tok.is_file() and rm_tok.read_bytes() != policy_tok.read_bytes():  # it reads the policy's token ids
-        raise UserError(f"the reward model at {rm_path} was trained with another tokenizer than the policy's "
-                        f"({policy_tok}); retrain it: python -m nanokl.supervised.reward_model --config ...")
-    return rm
-
-
 def setup(cfg) -> Run:
     """Everything before the first step: see the module docstring."""
     d, arr, alg, t, c = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer, cfg.critic
@@ -219,7 +179,7 @@ def setup(cfg) -> Run:
         save_config(cfg, run_dir / "config.yaml")
     if t.resume_mode == "resume_path" and (problem := verify_checkpoint(t.resume_from_path)) is not None:
         raise UserError(f"trainer.resume_from_path={t.resume_from_path} does not verify: {problem}")  # before any work
-    _train_missing_stages(cfg, rank)
+    train_missing_stages(cfg, rank)
     # every fresh initialisation (warm start, RM head, value head) draws from its own generator; torch's
     # global one is seeded too, so that nothing else can make a run depend on what ran before it
     torch.manual_seed(t.seed)
@@ -272,7 +232,7 @@ def setup(cfg) -> Run:
               rollout_copy=rollout_copy, actor_opt=actor_opt, actor_sched=actor_sched, critic_opt=critic_opt,
               critic_sched=critic_sched, kl_ctrl=make_kl_controller(alg.kl_ctrl),
               kl_loss_ctrl=FixedKLController(a.kl_loss_coef),
-              rm=_load_rm(cfg, device) if cfg.reward_model.enable else None,
+              rm=load_rm(cfg, device) if cfg.reward_model.enable else None,
               monitor=KLMonitor(km) if km.enable else None, tracker=None, specs=batching_specs(cfg),
               total_steps=total_steps, bypass=bypass,
               **variants.choose(cfg, critic=critic is not None, bypass=bypass))

@@ -35,7 +35,7 @@ from nanokl.masked import masked_mean
 from nanokl.rewards import token_level_scores
 from nanokl.workers import compute_log_probs
 from nanokl.harness.data import build_prompts
-from nanokl.rollout import generate
+from nanokl.graphs import generate
 from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
 from nanokl.tasks import get_task
 

@@ -22,10 +22,7 @@ critic timings).
 import torch
 
 from nanokl import dist, workers
-try:  # TEMP until graphs.py lands
-    from nanokl.graphs import generate
-except ImportError:
-    from nanokl.rollout import generate
+from nanokl.graphs import generate
 from nanokl.harness.data import build_prompts
 from nanokl.harness.logged import draw_responses, logged_batch
 from nanokl.harness.metrics import global_var, timer
@@ -65,7 +62,7 @@ def recompute_old(run, batch, out, metrics):
     """The actor's forward on the batch (verl's compute_log_prob)."""
     with timer(metrics, "old_log_prob", run.device):
         return workers.compute_log_probs(run.actor, batch, run.cfg.actor_rollout_ref.rollout.temperature,
-                                         run.specs["old"], with_entropy=True)
+                                         spec=run.specs["old"], with_entropy=True)
 
 
 def recompute_old_and_compare(run, batch, out, metrics):
@@ -86,7 +83,7 @@ def rollout_old(run, batch, out, metrics):
 
 def critic_values(run, batch, metrics):
     with timer(metrics, "values", run.device):
-        return workers.compute_values(run.critic, batch, run.specs["values"])
+        return workers.compute_values(run.critic, batch, spec=run.specs["values"])
 
 
 def no_values(run, batch, metrics):
@@ -124,7 +121,7 @@ def exact_kl_in_reward(run, batch, scores):
     k3 estimates on the same tokens logged beside it."""
     beta, mask = run.kl_ctrl.value, batch["response_mask"]
     exact = workers.compute_full_kl(run.actor, run.ref, batch, run.cfg.actor_rollout_ref.rollout.temperature,
-                                    run.specs["old"])
+                                    spec=run.specs["old"])
     rewards, kl, current = apply_exact_kl_penalty(scores, exact, mask, beta, reduce=dist.all_reduce)
     metrics = {f"actor/reward_kl_{k}": dist.global_stats(masked_mean(kl_penalty(
         batch["old_log_probs"], batch["ref_log_probs"], k), mask, dim=-1))[0] for k in ("k1", "k3")}

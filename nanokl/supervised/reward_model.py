@@ -73,7 +73,7 @@ from nanokl.harness.data import build_prompts
 from nanokl.harness.hf_format import CheckpointError, from_pretrained, load_scalar_head, read_config, save_pretrained
 from nanokl.model import Decoder, ModelConfig
 from nanokl.supervised.preference_data import build_preference_data, pair_kinds, read_preferences
-from nanokl.rollout import generate
+from nanokl.graphs import generate
 from nanokl.supervised.sft import adamw_cosine
 from nanokl.harness.tokenizer import apply_template, load_tokenizer, right_pad
 from nanokl.tasks import get_task

@@ -42,7 +42,7 @@ from nanokl.harness.data import build_prompts
 from nanokl.harness.hf_format import save_pretrained
 from nanokl.harness.tokenizer import apply_template, right_pad, train_tokenizer
 from nanokl.model import CausalLM, ModelConfig, init_weights
-from nanokl.rollout import generate
+from nanokl.graphs import generate
 from nanokl.tasks import get_task
 
 

@@ -1,0 +1,225 @@
+"""The CUDA-graph engine: nanokl/rollout.py's decode step, captured once and replayed.
+
+Why. A decode step is hundreds of small kernels, and eagerly the CPU launches each one, every
+token: at small batch the GPU waits on the launches. The step's tensors have fixed shapes and
+storage (nanokl/rollout.py), so on CUDA the whole step (forward, sampling, EOS bookkeeping, writing
+the outputs) is captured once into a `torch.cuda.CUDAGraph` and replayed: one launch per token
+instead of hundreds. `generate` here is nanokl.rollout.generate with that replay behind it; the
+prefill, the decode loop and the trimming are rollout's own functions, and with graphs off (or on a
+device without them) it *is* rollout.generate. Nothing of the algorithm lives here.
+
+The CUDA-graph engine
+---------------------
+A graph replays kernels on fixed *addresses*, so everything it touches must be allocated once and
+kept: the engine of a model (`GraphEngine`, one per model, found by `generate`) owns
+
+- the buffers, sized once: a KV cache and a `DecodeState` of `max_batch` rows (rounded up to a
+  bucket) by `max_len` = longest prompt + response slots. A training run sizes it from its config
+  before the first step (`make_engine`, called by nanokl/harness/run.py: rows per rank
+  train_batch_size / W x n, or the validation chunk if larger). Batch buckets follow nano-vllm:
+  1, 2, 4, 8, then multiples of 16 up to the first one that holds max_batch; a batch runs in the
+  smallest bucket that fits it (165 rows run in 176, not 256), the extra rows computing garbage
+  that is never read.
+- the graphs: one captured decode step per key (bucket, slot span, sampling settings, EOS ids,
+  pad id), captured on its first use and then replayed for the engine's life. Nothing in the key
+  names an object: a fresh generator every PPO step must not mean a fresh capture every step.
+  The span is how much of the cache a step attends over: the first multiple of `SLOT_SPAN` (256)
+  slots that holds the filled ones, capped at max_len, so a step at slot 300 of a 1024-slot cache
+  reads 512 slots, not 1024. A call captures every span it will reach before its prefill (a
+  capture's warm-up runs write into the buffers).
+- its own random generator, registered with every graph (a graph replays the random kernels of
+  the generators registered with it, advancing their offsets). The caller's generator state is
+  copied into it before the prefill and copied back after the last step, so a seed chooses the
+  tokens exactly as in eager decoding and the caller's generator advances as if it had drawn them.
+  (Exactly, when the batch fills its bucket. A smaller batch draws noise for the whole bucket
+  every step, so its tokens are a different draw from the same distribution as eager decoding's.)
+
+A call that does not fit (more rows or more slots than sized, or weights moved to new storage by
+`model.to()` / a new module: their old addresses are what the graphs read) *rebuilds* the engine:
+new buffers, every graph dropped and captured again on use, `rebuilds` counted. Rebuilding rather
+than refusing keeps `generate` a plain library call (generate.py and the benchmarks never size an
+engine; the first call sizes it, slots rounded up to 128); in training it is a sizing bug, which
+`engine_stats` shows and tests/test_rollout_graphs.py keeps at zero. The PPO update must change the
+parameters in place (`optimizer.step()`, `param.copy_()`) so the next replay sees the new weights
+for free.
+
+`engine_stats(model)` -> {"captures", "rebuilds", "graphs", "buckets", "max_len"}: graphs captured
+and rebuilds since `make_engine` (or the first call), live graphs, and the sizing; a 4-step PPO run
+should show one capture per (bucket, span, sampling setting) it used and no rebuild.
+
+The CUDA graph API is reached through `graph_api` only, so the CPU tests can swap in a stand-in
+that records the step's aten ops at capture and re-executes them on replay.
+
+Tests: tests/test_rollout_graphs.py (on CPU, with the recording stand-in: captures once per bucket
+over a simulated PPO run with new seeds each step; seeds honoured; replay equals eager, across
+spans too; the step never syncs with the host and writes only into the engine's buffers; a CPU
+train_ppo run sizes the engine once) and tests/test_rollout_cuda.py (on a GPU: replay equals eager
+in fp32, and in bf16 the graph's tokens agree with a teacher-forced forward; a weight update is
+seen by the replayed graph; moved weights are captured again).
+"""
+
+import weakref
+from types import SimpleNamespace
+
+import torch
+
+from nanokl import rollout
+from nanokl.model import KVCache
+from nanokl.rollout import DecodeState, RolloutOutput, decode_step
+
+# The CUDA graph API, reached only through here: tests/test_rollout_graphs.py swaps in a stand-in
+# that records and replays on CPU. Graphs run on `device_type`.
+graph_api = SimpleNamespace(device_type="cuda", CUDAGraph=torch.cuda.CUDAGraph, graph=torch.cuda.graph,
+                            Stream=torch.cuda.Stream, stream=torch.cuda.stream,
+                            current_stream=torch.cuda.current_stream, graph_pool_handle=torch.cuda.graph_pool_handle)
+
+
+def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0,
+             do_sample=True, eos_token_id=None, pad_token_id=0, generator=None, use_cuda_graph=None,
+             n=1) -> RolloutOutput:
+    """nanokl.rollout.generate, with the decode step replayed from the model's graph engine when
+    `use_cuda_graph` (default: on a device that has graphs); otherwise rollout.generate itself."""
+    graphs_here = input_ids.device.type == graph_api.device_type
+    if not (graphs_here if use_cuda_graph is None else bool(use_cuda_graph) and graphs_here):
+        return rollout.generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
+                                do_sample, eos_token_id, pad_token_id, generator, n)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
+    with torch.inference_mode():
+        out = _generate(model, input_ids, attention_mask, max_new_tokens, sampling,
+                        rollout.eos_list(eos_token_id), pad_token_id, generator, n)
+    return rollout.cloned(out)
+
+
+def _generate(model, input_ids, attention_mask, R, sampling, eos, pad_token_id, generator, n) -> RolloutOutput:
+    """rollout._generate on the engine's buffers, with a replay for each decode step."""
+    dev = input_ids.device
+    B, P = input_ids.shape
+    eos_ids = torch.tensor(eos, dtype=torch.long, device=dev)
+    engine = _engine_for(model, B * n, P + R)
+    cache, state = engine.cache, engine.state.rows(B * n)
+    # capture (first use only) every slot span this call will reach, before the prefill: the
+    # warm-up runs scribble on the cache and the state
+    spans = sorted({engine.span(P + t) for t in range(1, R)})
+    graphs = {S: engine.graph(model, engine.bucket(B * n), S, eos, pad_token_id, sampling) for S in spans}
+    caller_gen = generator if generator is not None else _default_generator(dev)
+    engine.gen.set_state(caller_gen.get_state())  # the generator the graphs draw from takes over the caller's state
+    prompt = rollout.prefill(model, cache, cache.view(rows=B, slots=P), state, input_ids, attention_mask, n, R,
+                             eos_ids, pad_token_id, sampling, engine.gen)  # the prompt needs only its own slots
+    # each step attends over the span that holds the P + t filled slots
+    steps = rollout.decode(state, R, lambda t: graphs[engine.span(P + t)].replay())
+    caller_gen.set_state(engine.gen.get_state())  # the caller's generator advances as if it had drawn
+    return rollout.trim(state, steps, eos_ids, *prompt)
+
+
+def _default_generator(dev):
+    if dev.type == "cuda":
+        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: buffers sized once per model, one captured decode step per bucket and setting.
+
+_ENGINES = weakref.WeakKeyDictionary()  # model -> its GraphEngine, dropped with the model
+SLOT_SPAN = 256  # a decode graph attends over the first multiple of this many slots that holds the filled ones
+
+
+def make_engine(model, max_batch, max_len):
+    """Size `model`'s graph engine for calls of at most `max_batch` rows (prompts x n) and
+    `max_len` slots (prompt + response), replacing any engine it had. Returns it, or None on a
+    device without graphs (CPU decodes eagerly and needs none)."""
+    if next(model.parameters()).device.type != graph_api.device_type:
+        return None
+    _ENGINES[model] = GraphEngine(model, max_batch, max_len)
+    return _ENGINES[model]
+
+
+def engine_stats(model) -> dict:
+    """Captures and rebuilds of `model`'s engine so far, its live graphs and its sizing (zeros and
+    no buckets when it has none: CPU, or graphs off)."""
+    eng = _ENGINES.get(model)
+    if eng is None:
+        return {"captures": 0, "rebuilds": 0, "graphs": 0, "buckets": [], "max_len": 0}
+    return {"captures": eng.captures, "rebuilds": eng.rebuilds, "graphs": len(eng.graphs),
+            "buckets": list(eng.buckets), "max_len": eng.max_len}
+
+
+def batch_buckets(max_batch):
+    """1, 2, 4, 8, then multiples of 16, up to the first bucket that holds max_batch rows."""
+    sizes = [1, 2, 4, 8, *range(16, max_batch + 16, 16)]
+    top = next(b for b in sizes if b >= max_batch)
+    return [b for b in sizes if b <= top]
+
+
+def _engine_for(model, rows, length):
+    """The engine of this model, made by this call when there is none, rebuilt when the call does
+    not fit it (see the module docstring)."""
+    eng = _ENGINES.get(model)
+    roomy = -(-length // 128) * 128  # slots rounded up: a slightly longer prompt next time still fits
+    if eng is None:
+        eng = _ENGINES[model] = GraphEngine(model, rows, roomy)
+    elif not eng.fits(model, rows, length):
+        eng.rebuild(model, max(rows, eng.buckets[-1]), eng.max_len if length <= eng.max_len else roomy)
+    return eng
+
+
+def _weight_ptrs(model):
+    return [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
+
+
+class GraphEngine:
+    """The static buffers of one model's rollout and its captured decode steps."""
+
+    def __init__(self, model, max_batch, max_len):
+        self.captures = self.rebuilds = 0
+        self._allocate(model, max_batch, max_len)
+
+    def _allocate(self, model, max_batch, max_len):
+        self.graphs, self.cache, self.state = {}, None, None  # free the old ones before allocating anew
+        p = next(model.parameters())
+        self.buckets, self.max_len = batch_buckets(max(max_batch, 1)), max_len
+        self.ptrs = _weight_ptrs(model)
+        self.cache = KVCache(model.config, self.buckets[-1], max_len, device=p.device, dtype=p.dtype)
+        self.state = DecodeState(self.buckets[-1], max_len, p.device)
+        self.gen = torch.Generator(p.device)
+        self.pool = graph_api.graph_pool_handle()
+
+    def rebuild(self, model, max_batch, max_len):
+        self.rebuilds += 1
+        self._allocate(model, max_batch, max_len)
+
+    def fits(self, model, rows, length):
+        return rows <= self.buckets[-1] and length <= self.max_len and self.ptrs == _weight_ptrs(model)
+
+    def bucket(self, rows):
+        return next(b for b in self.buckets if b >= rows)
+
+    def span(self, filled):
+        """Cache slots a decode step attends over when `filled` slots are in use."""
+        return min(-(-filled // SLOT_SPAN) * SLOT_SPAN, self.max_len)
+
+    def graph(self, model, bucket, span, eos, pad_token_id, sampling):
+        """The captured decode step for this bucket, span and setting (captured on its first use)."""
+        key = (bucket, span, tuple(sampling.items()), tuple(eos), pad_token_id)
+        if key not in self.graphs:
+            # the graph reads the EOS ids from this tensor's address on every replay: keep it alive
+            eos_static = torch.tensor(eos, dtype=torch.long, device=self.cache.k.device)
+            self.graphs[key] = (self._capture(model, bucket, span, eos_static, pad_token_id, sampling), eos_static)
+        return self.graphs[key][0]
+
+    def _capture(self, model, bucket, span, eos_ids, pad_token_id, sampling):
+        self.captures += 1
+        cache, state = self.cache.view(rows=bucket, slots=span), self.state.rows(bucket)
+        for t in (state.slot, state.col, state.positions, state.done):
+            t.zero_()  # warm-up writes at slot/column 0..1; generate() re-initialises all of it after
+        s = graph_api.Stream()
+        s.wait_stream(graph_api.current_stream())
+        with graph_api.stream(s):  # warm-up (cuBLAS handles, allocator) off the capture stream
+            for _ in range(2):
+                decode_step(model, cache, state, eos_ids, pad_token_id, sampling, self.gen)
+        graph_api.current_stream().wait_stream(s)
+        graph = graph_api.CUDAGraph()
+        graph.register_generator_state(self.gen)
+        with graph_api.graph(graph, pool=self.pool):
+            decode_step(model, cache, state, eos_ids, pad_token_id, sampling, self.gen)
+        return graph

@@ -1,0 +1,51 @@
+"""The stages before RL that a config can ask for, run when their output is missing: the warm start
+(supervised fine-tuning: the reference policy), the logged samples an offline run trains on, and the
+reward model distilled from rankings. Rank 0 makes each, the others wait at a barrier."""
+
+import sys
+from pathlib import Path
+
+from nanokl import dist
+from nanokl.harness.config_io import UserError
+from nanokl.supervised.reward_model import build_ranked_data, load_reward_model
+from nanokl.supervised.reward_model import train_from_config as train_reward_model
+from nanokl.supervised.sft import train_sft
+from nanokl.tasks import TASKS
+
+
+def train_missing_stages(cfg, rank):
+    """The warm start (reference policy) and the reward model, when the config says how to make them."""
+    model_path, rm_path = Path(cfg.actor_rollout_ref.model.path), cfg.reward_model.model.path
+    if (not (model_path / "config.json").exists() and TASKS[cfg.data.task].demonstrations is not None
+            and model_path == Path(cfg.sft.output_dir)):
+        if rank == 0:
+            print(f"no reference policy at {model_path}: training the warm start first (nanokl.supervised.sft)",
+                  file=sys.stderr)
+            train_sft(cfg)
+        dist.barrier()
+    if not model_path.is_dir():
+        raise UserError(f"model directory {str(model_path)!r} does not exist (actor_rollout_ref.model.path)")
+    ranked, offline = cfg.reward_model.train.data_path, cfg.data.offline_files
+    if offline and ranked in offline and not Path(ranked).is_file():
+        if rank == 0:  # the logged responses are the reward model's ranked warm-start samples: make them first
+            print(f"no logged responses at {ranked}: sampling and ranking them from the warm start first "
+                  "(nanokl.supervised.preference_data)", file=sys.stderr)
+            build_ranked_data(cfg)
+        dist.barrier()
+    if cfg.reward_model.enable and not (Path(rm_path) / "config.json").exists() and cfg.reward_model.train.data_path:
+        if rank == 0:  # the config says how to distil one from rankings: do it first, like the warm start
+            print(f"no reward model at {rm_path}: training it from rankings first (nanokl.supervised.reward_model)",
+                  file=sys.stderr)
+            train_reward_model(cfg)
+        dist.barrier()
+
+
+def load_rm(cfg, device):
+    rm_path = cfg.reward_model.model.path
+    rm = load_reward_model(rm_path, device=device).eval()
+    rm_tok = Path(rm_path) / "tokenizer.json"
+    policy_tok = Path(cfg.actor_rollout_ref.model.tokenizer_path) / "tokenizer.json"
+    if rm_tok.is_file() and rm_tok.read_bytes() != policy_tok.read_bytes():  # it reads the policy's token ids
+        raise UserError(f"the reward model at {rm_path} was trained with another tokenizer than the policy's "
+                        f"({policy_tok}); retrain it: python -m nanokl.supervised.reward_model --config ...")
+    return rm
