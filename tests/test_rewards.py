@@ -15,6 +15,7 @@ import torch
 
 from nanokl.kl import KL_KINDS
 from nanokl.rewards import apply_exact_kl_penalty, apply_kl_penalty, mean_kl, token_level_scores
+from test_kl import naive_value  # each estimator written out in float64
 
 
 def naive_token_level_scores(scores, mask, missing_eos, penalty):
@@ -46,20 +47,6 @@ def test_token_level_scores_matches_a_loop():
     assert got[2, 6] == -0.75 and got[1].eq(0).all()  # penalised full-length row; empty row stays 0
 
 
-def naive_kl(lp, ref, kind):
-    """One token's estimator, written out in float64 (nanokl/kl.py's definitions)."""
-    d = lp - ref
-    base = kind.rstrip("+")
-    if base in ("kl", "k1"):
-        return d
-    if base == "abs":
-        return abs(d)
-    if base in ("mse", "k2"):
-        return 0.5 * d * d
-    r = math.exp(max(-20.0, min(20.0, ref - lp)))  # low_var_kl / k3
-    return max(-10.0, min(10.0, r - math.log(r) - 1))
-
-
 SAMPLED = [k for k in KL_KINDS if k != "full"]
 
 
@@ -79,7 +66,7 @@ def test_apply_kl_penalty_matches_a_float64_loop(kind):
     for i in range(N):
         row_r, row_kl = [], []
         for t in range(R):
-            k = naive_kl(old[i, t].item(), ref[i, t].item(), kind) if mask[i, t] else 0.0
+            k = naive_value(old[i, t].item(), ref[i, t].item(), kind) if mask[i, t] else 0.0
             row_kl.append(k)
             row_r.append(scores[i, t].item() - beta * k)
         want_r.append(row_r)
