@@ -1,53 +1,174 @@
 #!/usr/bin/env bash
-# The one prepared run for a lent GPU: everything the first ~10 minutes on a GPU must answer, in
-# at most 8 minutes, each result written to $OUT as soon as it is measured, then a one-screen
-# summary ($OUT/summary.md, printed last; bench/gpu_summary.py says what it covers).
+# The one prepared run for a lent GPU: everything the first ~10 minutes on a GPU must answer, inside
+# an 8-minute deadline, then a one-screen summary printed last (bench/gpu_summary.py says what it
+# covers; this script adds how long each step took against its timeout, and what $OUT holds).
 #   here first:  mkdir -p bench/_data && cp ../shared/data/gsm8k/train.jsonl bench/_data/gsm8k_train.jsonl
-#   device run:  bash bench/gpu_check.sh            (carry: bench/_data; timeout_s 540)
-#   CPU smoke:   bash bench/gpu_check.sh --smoke    (tiny shapes on CPU, same flags: tests/test_bench.py)
-# Time budget (the timeouts below sum to 450 s, plus ~20 s of probes): CUDA tests 90 s, rollout
-# benchmark 150 s, PPO under torchrun 200 s.
+#   device run:  bash bench/gpu_check.sh            (carry: bench/_data; timeout_s 560)
+#   CPU smoke:   bash bench/gpu_check.sh --smoke    (tiny shapes on CPU, same commands: tests/test_bench.py)
+#
+# The GPU machine has `python3` only (no `python`, no `torchrun` promised) and can install nothing:
+# every Python runs as $PY (default python3), torchrun as `$PY -m torch.distributed.run`.
+#
+# What comes back. A device run hands back at most 8 files from $OUT, at most two folders down,
+# names of [A-Za-z0-9._-]. So the steps write their logs into a scratch folder, and $OUT holds
+# only these 7 files, each written as soon as its step ends (a run cut short keeps what it had):
+#   summary.md          the screen printed at the end (+ step times vs timeouts, the file list)
+#   summary.json        the same figures as JSON: env, tests, rollout rows, ppo, steps, files
+#   logs.tar.gz         every step's log (env, gpu, cuda_tests, rollout, ppo + its metrics.jsonl),
+#                       remade after each step; weights (GBs of random init) are never in it
+#   env.json            versions and attention backends            (step 1)
+#   cuda_tests.log      the CUDA tests' pytest output               (step 2)
+#   rollout.md          the rollout table, row by row as measured   (step 3)
+#   ppo/summary.json    the PPO run's figures                       (step 4)
+# The script checks that count, depth and names at its end (exit 1 if they do not fit, or if a
+# step failed); --smoke checks the same on the CPU.
+#
+# Timeouts. Each step's timeout is a cap no healthy run comes near (estimated healthy time on one
+# H200 in brackets; no GPU has run this yet, so summary.md reports each step's real time against
+# its cap): nvidia-smi 20 s [1], env probe 60 s [15], CUDA tests 90 s [30-40: collection + tiny
+# models], rollout 180 s [80-100: 0.5B checkpoint, 4 batch processes, the batch-1 floor of the fused
+# and the unfused copy], PPO 240 s [100-140: 0.5B setup ~40, 4 steps of 128 x 256 tokens]; about
+# 5 minutes in all. The caps sum to more than the deadline on purpose: a step gets at most what is
+# left of DEADLINE (470 s) since the start, and one left under 10 s is skipped, so even a run where
+# every step hangs prints its summary by ~530 s (deadline, 10 s kill grace, two summary steps of at
+# most 20 s + 5 s grace): inside the 560 s device timeout.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
 OUT=${OUT:-/tmp/nanokl_gpu_check}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1  # absolute, before leaving the caller's folder
+cd "$(dirname "$0")/.." || exit 1
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/nanokl_gpu_check.XXXXXX")  # logs and weights: never under $OUT
+trap 'rm -rf "$WORK" "$WORK.tgz"' EXIT
+# a rerun into the same $OUT must not report the last run's results as this one's
+rm -rf "$OUT/summary.md" "$OUT/summary.json" "$OUT/logs.tar.gz" "$OUT/env.json" "$OUT/cuda_tests.log" \
+  "$OUT/rollout.md" "$OUT/ppo/summary.json"
 DATA=bench/_data/gsm8k_train.jsonl
 if [ "${1:-}" = "--smoke" ]; then
-  DEV=cpu; SIZE=tiny; BATCHES=1,4; IMPL_BATCHES=hf=4,nanokl-eager=1,naive=1; NEW=8; ROUNDS=1
+  MODE=smoke; DEV=cpu; SIZE=tiny; BATCHES=1,4; IMPL_BATCHES=hf=4,nanokl-eager=1,naive=1; NEW=8; ROUNDS=1
   PPO_ARGS=(--shape tiny --device cpu --steps 2 --batch 4 --response 8)
-  T_TESTS=60; T_ROLLOUT=60; T_PPO=120
+  T_GPU=0; T_ENV=60; T_TESTS=90; T_ROLLOUT=120; T_PPO=150; DEADLINE=${DEADLINE:-400}
   TESTS=(--collect-only)  # on CPU every CUDA test skips: check only that they collect
   [ -f "$DATA" ] || DATA=${SMOKE_DATA:-$DATA}
 else
-  DEV=cuda; SIZE=0.5b; BATCHES=1,32,128,256; IMPL_BATCHES=hf=32,nanokl-eager=1,naive=1; NEW=128; ROUNDS=1
+  MODE=device; DEV=cuda; SIZE=0.5b; BATCHES=1,32,128,256; IMPL_BATCHES=hf=32,nanokl-eager=1,naive=1; NEW=128; ROUNDS=1
   PPO_ARGS=(--shape 0.5b --device cuda --steps 4 --batch 128 --response 256)
-  T_TESTS=90; T_ROLLOUT=150; T_PPO=200
+  T_GPU=20; T_ENV=60; T_TESTS=90; T_ROLLOUT=180; T_PPO=240; DEADLINE=${DEADLINE:-470}
   TESTS=()
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+fi
+T_FINAL=20  # each of the two summary steps (healthy: ~1 s)
+: > "$WORK/steps.tsv"
+FAILED=0
+
+publish() {  # after every step: results into $OUT, every log (no weights) into $OUT/logs.tar.gz
+  [ -f "$WORK/cuda_tests.log" ] && cp "$WORK/cuda_tests.log" "$OUT/cuda_tests.log"
+  if [ -f "$WORK/ppo/summary.json" ]; then mkdir -p "$OUT/ppo" && cp "$WORK/ppo/summary.json" "$OUT/ppo/summary.json"; fi
+  rm -rf "$WORK/ppo/model" "$WORK/ppo/run/checkpoints"  # GBs of random weights: not worth bringing back
+  (cd "$WORK" && find . -path ./ckpts -prune -o -type f -size +8192k -print > left_out.txt  # listed, not archived
+   find . -path ./ckpts -prune -o -type f ! -size +8192k -print0 | tar --null -czf "$WORK.tgz" -T -) \
+    && mv -f "$WORK.tgz" "$OUT/logs.tar.gz"
+}
+
+# step NAME CAP CMD...: CMD's output to $WORK/NAME.log, under a timeout of CAP seconds or what is
+# left of the deadline, whichever is less; its exit status and seconds go to steps.tsv
+step() {
+  local name=$1 cap=$2 t; shift 2
+  t=$(( DEADLINE - SECONDS < cap ? DEADLINE - SECONDS : cap ))
+  if (( t < 10 )); then
+    echo "skipped: $((DEADLINE - SECONDS)) s left of the $DEADLINE s deadline" > "$WORK/$name.log"
+    printf '%s\tskipped\t0\t%s\n' "$name" "$cap" >> "$WORK/steps.tsv"; FAILED=1
+    echo "[$SECONDS s] $name: skipped (deadline)"; publish; return
+  fi
+  local t0=$SECONDS rc
+  timeout -k 10 "$t" "$@" > "$WORK/$name.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$t" >> "$WORK/steps.tsv"
+  (( rc == 0 )) || FAILED=1
+  echo "[$SECONDS s] $name: exit $rc in $((SECONDS - t0)) s (timeout $t s)$( ((rc == 124 || rc == 137)) && echo ': TIMED OUT')"
+  publish
+}
+
+# 0. the GPU as the driver sees it
+if [ "$MODE" = device ]; then
+  step gpu "$T_GPU" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 fi
 
-# 0. versions and attention backends (which fused SDPA kernels take a mask, with and without GQA)
-python bench/gpu_summary.py env "$OUT/env.json" > "$OUT/env.log" 2>&1
+# 1. versions and attention backends (which fused SDPA kernels take a mask, with and without GQA)
+step env "$T_ENV" "$PY" bench/gpu_summary.py env "$OUT/env.json"
 
-# 1. CUDA tests: graph replay vs eager (teacher-forced in bf16), weight updates seen by the graph, ...
-timeout "$T_TESTS" python -m pytest -q -m cuda tests/ -p no:cacheprovider "${TESTS[@]}" > "$OUT/cuda_tests.log" 2>&1
+# 2. CUDA tests: graph replay vs eager (teacher-forced in bf16), weight updates seen by the graph, ...
+step cuda_tests "$T_TESTS" "$PY" -m pytest -q -m cuda tests/ -p no:cacheprovider "${TESTS[@]}"
 
-# 2. rollout: batch 1 with and without graphs vs the bandwidth floor (+ kernels per replay), tokens/s
-#    at batch 32/128/256 with graphs, HF generate at batch 32; rows land in rollout.md as measured
-timeout "$T_ROLLOUT" python bench/rollout.py --device "$DEV" --sizes "$SIZE" --batches "$BATCHES" \
+# 3. rollout, on the fused rollout copy training samples with: batch 1 with and without graphs vs the
+#    bandwidth floor (+ kernels per replay; the unfused model as a second line), tokens/s at batch
+#    32/128/256 with graphs, HF generate at batch 32; rows land in rollout.md as measured
+step rollout "$T_ROLLOUT" "$PY" bench/rollout.py --device "$DEV" --sizes "$SIZE" --batches "$BATCHES" \
   --impls nanokl,nanokl-eager,hf --impl-batches "$IMPL_BATCHES" --new-tokens "$NEW" --rounds "$ROUNDS" \
-  --memory off --out "$OUT/rollout.md" > "$OUT/rollout.log" 2>&1
+  --memory off --ckpt-dir "$WORK/ckpts" --out "$OUT/rollout.md"
 
-# 3. PPO end to end under torchrun at world size 1: the fsdp2 config really shards (one shard),
-#    GSM8K prompts, Qwen2.5-0.5B-shaped random init; summary.json has the step's figures
+# 4. PPO end to end under torchrun at world size 1: the fsdp2 config really shards (one shard),
+#    GSM8K prompts, Qwen2.5-0.5B-shaped random init, no checkpoint (trainer.save_freq=-1)
 if [ -f "$DATA" ]; then
-  timeout "$T_PPO" torchrun --standalone --nproc_per_node=1 bench/ppo_gpu.py --data "$DATA" --out "$OUT/ppo" \
-    "${PPO_ARGS[@]}" > "$OUT/ppo.log" 2>&1
-  rm -rf "$OUT/ppo/model" "$OUT/ppo/run/checkpoints"  # GBs of random weights: not worth bringing back
+  step ppo "$T_PPO" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 bench/ppo_gpu.py \
+    --data "$DATA" --out "$WORK/ppo" "${PPO_ARGS[@]}"
 else
-  echo "no $DATA: copy GSM8K's train.jsonl there (see the header)" > "$OUT/ppo.log"
+  echo "no $DATA: copy GSM8K's train.jsonl there (see the header)" > "$WORK/ppo.log"
+  printf 'ppo\tno data\t0\t%s\n' "$T_PPO" >> "$WORK/steps.tsv"; FAILED=1; publish
 fi
 
-# 4. one screen
-python bench/gpu_summary.py summary "$OUT"
+# 5. one screen: bench/gpu_summary.py's, then step times, summary.json and what $OUT holds
+timeout -k 5 "$T_FINAL" "$PY" bench/gpu_summary.py summary "$OUT" > "$WORK/summary.log" 2>&1 \
+  || echo "bench/gpu_summary.py summary failed: see summary.log in logs.tar.gz" >> "$OUT/summary.md"
+publish
+timeout -k 5 "$T_FINAL" "$PY" - "$OUT" "$WORK/steps.tsv" "$MODE" "$SECONDS" "$DEADLINE" <<'EOF'
+"""summary.json, the step times and the check of what $OUT holds; exit 1 when it would not all come back."""
+import json
+import re
+import sys
+from pathlib import Path
+
+out, steps_tsv, mode, seconds, deadline = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:])
+MAX_FILES, MAX_DEPTH, MAX_BYTES, NAME = 8, 2, 16 << 20, re.compile(r"[A-Za-z0-9._-]+")
+
+
+def read_json(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+steps = []
+for line in steps_tsv.read_text().splitlines():
+    name, rc, secs, cap = line.split("\t")
+    steps.append(dict(step=name, rc=int(rc) if rc.lstrip("-").isdigit() else rc, seconds=int(secs), timeout_s=int(cap)))
+rollout = out / "rollout.md"
+text = rollout.read_text() if rollout.exists() else ""
+rows = [json.loads(ln) for ln in text.split("```")[1].strip().splitlines()] if text.count("```") >= 2 else None
+tests = out / "cuda_tests.log"
+tests_line = next((ln.strip("= ") for ln in reversed(tests.read_text().splitlines())
+                   if re.search(r"\d+ (passed|failed|skipped|error)|tests? collected|no tests ran", ln)), None) \
+    if tests.exists() else None
+files = sorted({str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} | {"summary.json"})
+problems = [f for f in files if f.count("/") > MAX_DEPTH or not all(NAME.fullmatch(part) for part in f.split("/"))]
+big = [f for f in files if f != "summary.json" and (out / f).stat().st_size > MAX_BYTES]
+fits = len(files) <= MAX_FILES and not problems and not big
+summary = dict(mode=mode, wall_s=seconds, deadline_s=deadline, steps=steps, env=read_json(out / "env.json"),
+               cuda_tests=tests_line, rollout=rows, ppo=read_json(out / "ppo" / "summary.json"),
+               files=files, files_fit=fits)
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+lines = ["steps (seconds of timeout, exit): " + "; ".join(
+             f"{s['step']} {s['seconds']} of {s['timeout_s']} s, "
+             + ("TIMED OUT" if s["rc"] in (124, 137) else f"exit {s['rc']}" if isinstance(s["rc"], int) else s["rc"])
+             for s in steps)
+         + f"; {seconds} s in all (deadline {deadline} s)",
+         f"$OUT holds {len(files)} files (at most {MAX_FILES} come back): {', '.join(files)}"]
+if not fits:
+    lines.append(f"DOES NOT FIT: {len(files)} files; too deep or odd names: {problems}; over 16 MiB: {big}")
+with open(out / "summary.md", "a") as f:
+    f.write("\n".join(lines) + "\n")
+sys.exit(0 if fits else 1)
+EOF
+FIT=$?
+cat "$OUT/summary.md"  # printed last
+[ "$FIT" = 0 ] && [ "$FAILED" = 0 ]

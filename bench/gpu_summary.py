@@ -6,11 +6,12 @@
 bench/gpu_check.sh runs this at its start and at its end. Each step of the check leaves a file in
 OUT (env.json, cuda_tests.log, rollout.md, ppo/summary.json); the summary reads whichever exist, so a
 step that timed out shows as "missing" rather than hiding the others. The screen answers, in order:
-versions and attention backends; the CUDA tests; the 0.5B batch-1 decode step with and without
-graphs against the bandwidth floor and the kernels one replay runs; tokens/s by batch and HF at one
-batch; graph captures and rebuilds over the PPO run; the attention kernel of an actor micro-batch;
-the PPO timing breakdown, tokens/s/GPU and peak memory; step-0 KL and the rollout/training log-prob
-gap; whether fsdp2 really sharded under torchrun at world size 1.
+versions and attention backends (varlen_attn's signature, the packed kernel nanokl chose by it, one
+packed bf16 forward and backward through that kernel); the CUDA tests; the 0.5B batch-1 decode step
+with and without graphs against the bandwidth floor and the kernels one replay runs; tokens/s by
+batch and HF at one batch; graph captures and rebuilds over the PPO run; the attention kernel of an
+actor micro-batch; the PPO timing breakdown, tokens/s/GPU and peak memory; step-0 KL and the
+rollout/training log-prob gap; whether fsdp2 really sharded under torchrun at world size 1.
 """
 
 import json
@@ -27,11 +28,14 @@ def probe_env(path):
             env[mod] = __import__(mod).__version__
         except ImportError:
             env[mod] = None
-    try:
-        from torch.nn.attention import varlen  # noqa: F401
-        env["torch_varlen_attn"] = hasattr(varlen, "varlen_attn")
-    except ImportError:
-        env["torch_varlen_attn"] = False
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from nanokl import attention as A
+    # the varlen_attn this torch has and whether nanokl calls it (by its signature, not its presence)
+    env["varlen_attn_signature"] = A.varlen_signature()
+    api = A.varlen_api()
+    env["torch_varlen_attn"] = ("absent" if env["varlen_attn_signature"] is None else "unused (no window_size)"
+                                if api is None else "GQA by enable_gqa" if api.gqa else "GQA by K/V heads repeated")
+    env["packed_kernel"] = {"bf16": A.cuda_packed_kernel(torch.bfloat16), "fp32": A.cuda_packed_kernel(torch.float32)}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         env.update(device=p.name, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1))
@@ -39,6 +43,7 @@ def probe_env(path):
         env["sdpa_enabled"] = {k: getattr(b, f"{k}_sdp_enabled")() for k in ("flash", "mem_efficient", "math", "cudnn")
                                if hasattr(b, f"{k}_sdp_enabled")}
         env["sdpa_mask_with_gqa"] = _mask_gqa_kernels(torch)
+        env["packed_check"] = _packed_check(torch, A)
     Path(path).write_text(json.dumps(env, indent=1))
     print(json.dumps(env))
 
@@ -63,6 +68,31 @@ def _mask_gqa_kernels(torch):
     return out
 
 
+def _packed_check(torch, A):
+    """One packed bf16 forward and backward with the 0.5B's heads (14 query, 2 KV) through the kernel
+    nanokl chose, against per-document SDPA in fp32: the call that crashed on torch 2.11."""
+    import torch.nn.functional as F
+    lengths = [37, 64, 27]
+    ids = torch.repeat_interleave(torch.arange(1, 4), torch.tensor(lengths))[None].cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, sum(lengths), 64, device="cuda", generator=g).bfloat16().requires_grad_()
+               for h in (14, 2, 2))
+    try:
+        with A.record_kernels() as names:
+            y = A.attend(q, k, v, A.layout(ids))
+        y.float().pow(2).sum().backward()
+        ref, start = [], 0
+        for n in lengths:
+            s = slice(start, start + n)
+            ref.append(F.scaled_dot_product_attention(*(t[:, :, s].float() for t in (q, k, v)), is_causal=True,
+                                                      enable_gqa=True))
+            start += n
+        err = (y.float() - torch.cat(ref, 2)).abs().max().item()
+        return f"{names[0]}: max |err| {err:.2e} vs fp32 per document, backward ran"
+    except Exception as e:  # noqa: BLE001 - the failure is the answer
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
 def _tests(out):
     log = out / "cuda_tests.log"
     if not log.exists():
@@ -81,10 +111,14 @@ def _rollout(out):
     rows = [json.loads(ln) for ln in text.split("```")[1].strip().splitlines()] if "```" in text else []
     lines = []
     for r in rows:
-        if "floor_ms" in r:
-            lines.append(f"batch-1 {r['size']}: {r['step_ms']:.2f} ms/token with graphs, {r['eager_step_ms']:.2f} "
-                         f"without; floor {r['floor_ms']:.2f} ms ({r['step_over_floor']:.1f}x floor, "
-                         f"{r['copy_gb_s']:.0f} GB/s copy); {r['kernels_per_step']:.0f} kernels per replay")
+        if "floor_ms" in r:  # the fused rollout copy (what training samples with), then the model as loaded
+            unit = "kernels" if "cuda" in r.get("kernel_count", "") else "aten ops"
+            for name, f in ((r.get("rollout_model", "fused"), r), ("unfused", r.get("unfused"))):
+                if f:
+                    lines.append(f"batch-1 {r['size']} {name}: {f['step_ms']:.2f} ms/token (graphs where the device "
+                                 f"has them), {f['eager_step_ms']:.2f} eager; floor {f['floor_ms']:.2f} ms "
+                                 f"({f['step_over_floor']:.1f}x floor, {r['copy_gb_s']:.0f} GB/s copy); "
+                                 f"{f['kernels_per_step']:.0f} {unit} per decode step")
     by = {}
     for r in rows:
         by.setdefault((r["size"], r["impl"]), []).append(f"b{r['batch']} {r['tok_s']:.0f}")
@@ -115,6 +149,9 @@ def summarize(out):
              f"{env.get('device')} (cc {env.get('capability')}, {env.get('memory_gib')} GiB); torch {env.get('torch')} "
              f"cuda {env.get('cuda')}; transformers {env.get('transformers')}; flash_attn {env.get('flash_attn')}; "
              f"torch varlen_attn {env.get('torch_varlen_attn')}",
+             f"varlen_attn{env.get('varlen_attn_signature')}",
+             f"packed kernel on CUDA: {env.get('packed_kernel')}; "
+             f"check: {env.get('packed_check', 'not run (no GPU)')}",
              f"SDPA backends enabled: {env.get('sdpa_enabled')}",
              f"SDPA with a mask: {env.get('sdpa_mask_with_gqa')}",
              f"CUDA tests: {_tests(out)}", *_rollout(out), *_ppo(out)]

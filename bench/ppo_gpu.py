@@ -14,7 +14,10 @@ parameter a DTensor on a 1-rank mesh); plain `python` has no process group and l
 It also runs one actor micro-batch forward to name its attention kernels, reads the rollout graph
 engine's captures and rebuilds, and the first step's KL (0 when the reference runs at the actor's
 precision). These figures also go to OUT/summary.json (keys strategy, world, sharded, mesh, ...), which
-bench/gpu_summary.py reads.
+bench/gpu_summary.py reads. It writes no checkpoint (trainer.save_freq=-1: a 0.5B one with both
+Adam states is ~12 GB, minutes of the GPU check's budget); summary.json counts any that appeared
+as `checkpoints`. bench/gpu_check.sh runs it as `python3 -m torch.distributed.run --standalone
+--nproc_per_node=1 bench/ppo_gpu.py ...` (the GPU machine has no `torchrun` or `python`).
 """
 
 import argparse
@@ -116,6 +119,7 @@ def main():
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={math.gcd(4, mini)}",
             f"critic.ppo_micro_batch_size_per_gpu={math.gcd(4, mini)}",
             f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+            # no checkpoint: a 0.5B one (actor, critic, their Adam states) is ~12 GB, minutes of the GPU check
             "trainer.save_freq=-1", f"trainer.device={args.device}", f"trainer.default_local_dir={run_dir}",
             "trainer.logger=[jsonl]", "trainer.resume_mode=disable"]
     if args.strategy:
@@ -148,7 +152,11 @@ def main():
         return sum(vals) / len(vals) if vals else None
     summary = out / "summary.json"  # merged: other figures of the GPU check may already be there
     fields = json.loads(summary.read_text()) if summary.exists() else {}
-    new = dict(steps=len(metrics), strategy=strategy, world=world, sharded="yes" if sharded else "no", mesh=mesh,
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("global_step_*"))  # none expected: save_freq=-1
+    if saved:
+        print(f"checkpoints written despite trainer.save_freq=-1: {saved}")
+    new = dict(steps=len(metrics), checkpoints=len(saved), strategy=strategy, world=world,
+               sharded="yes" if sharded else "no", mesh=mesh,
                throughput=mean("perf/throughput"), peak_gib=peak, timing={k: mean(k) for k in keys},
                attention_kernel=kernels, engine=engine,
                kl_step0=metrics[0].get("actor/reward_kl_penalty") if metrics else None,

@@ -13,19 +13,34 @@ Every row decodes greedily from random-init Qwen2-shaped weights, EOS ignored, p
 `transformers` loads that directory. Columns: tokens/s = batch * new tokens / wall time of the
 whole generation (prefill included); peak memory = what the generation itself added (CUDA:
 `max_memory_allocated` above the weights; CPU: peak RSS above the RSS before the call, each
-measurement in a fresh process so that no allocator cache hides memory). On CUDA the batch-1
-decode step is also compared with its memory-bandwidth floor: (weight bytes + KV-cache bytes)
-over the device-to-device copy bandwidth measured in the same run.
+measurement in a fresh process so that no allocator cache hides memory).
+
+What nanokl runs is what PPO training samples with: the rollout copy of the policy as
+nanokl/harness/run.py makes it, `fuse_for_rollout(from_pretrained(path, dtype=...))` (q|k|v and
+gate|up fused, residual adds in the GEMMs, nanokl/fused.py), in bf16 on CUDA, in fp32 on the CPU
+(where training makes a rollout copy under fsdp2), its graph engine sized once on CUDA.
+`--plain` runs the model as loaded instead (unfused; what the 2026-12-02 CPU table measured).
+
+The batch-1 decode step (the nanokl row at batch 1, on every device): ms per token of the fused
+rollout copy, with graphs (CUDA) and without, against its memory-bandwidth floor, (weight bytes +
+KV-cache bytes) over the device's copy bandwidth measured in the same run, and the kernels one
+decode step launches: on CUDA the profiler's kernels of an eager generation of 9 tokens minus those
+of 1 token, over 8 (= what one graph replay runs); on the CPU the kernel-launching aten ops, counted
+the same way with bench/decode_ops.py's counter. The step is counted as training samples
+(temperature 1), so the CUDA figure checks bench/decode_ops.py's prediction for the fused bf16 copy
+(356-357 at the 0.5B shape, +-1 a layer). The model as loaded (unfused, same dtype) is measured
+the same way as the second line, to show what the fusions buy.
 
 The implementations:
-  nanokl        nanokl.graphs.generate: one prefill, fixed-shape decode on the static KV cache
-                (and CUDA graphs on CUDA)
+  nanokl        nanokl.graphs.generate on the fused rollout copy: one prefill, fixed-shape decode
+                on the static KV cache (and CUDA graphs on CUDA)
   nanokl-eager  the same on CUDA without graphs (to show what the graphs buy)
-  naive         nanokl's model re-run on the whole sequence for every new token (no cache)
+  naive         the model as loaded re-run on the whole sequence for every new token (no cache)
   hf            transformers' model.generate(do_sample=False) with its default dynamic cache
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -40,6 +55,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanokl.harness import hf_format as H  # noqa: E402
 from nanokl import model as M  # noqa: E402
+from nanokl import rollout  # noqa: E402
+from nanokl.fused import fuse_for_rollout  # noqa: E402
 from nanokl.graphs import generate, make_engine  # noqa: E402
 
 SHAPES = {  # Qwen2-shaped (GQA, qkv bias, tied embeddings); parameter counts printed in the table
@@ -97,13 +114,23 @@ def naive_generate(model, ids, new_tokens):
     return ids
 
 
+def dtype_for(dev):
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32  # the rollout copy's: rollout.dtype / fp32
+
+
+def rollout_model(path, dev, fused=True):
+    """The policy as training samples with it (nanokl/harness/run.py): loaded at the rollout dtype,
+    eval, frozen, fused in place (after the last move); `fused=False`: the model as loaded."""
+    model = H.from_pretrained(path, device=dev, dtype=dtype_for(dev)).eval().requires_grad_(False)
+    return fuse_for_rollout(model) if fused else model
+
+
 def load(impl, args, dev):
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     path = make_checkpoint(args.size, args.ckpt_dir)
     if impl == "hf":
         import transformers
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
-    model = H.from_pretrained(path, device=dev, dtype=dtype).eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype_for(dev)).to(dev).eval()
+    model = rollout_model(path, dev, fused=impl != "naive" and not args.plain)
     if impl == "nanokl":  # as training does: the graph engine sized once for this run's calls
         make_engine(model, args.batch, args.prompt_len + args.new_tokens)
     return model
@@ -164,8 +191,8 @@ def worker(args):
                    tok_s=args.batch * args.new_tokens / best[impl])
         if impl in peak:
             out["peak_mb"] = peak[impl]
-        if dev.type == "cuda" and args.batch == 1 and impl == "nanokl":
-            out.update(bandwidth_floor(models[impl], args))
+        if args.batch == 1 and impl == "nanokl":
+            out.update(bandwidth_floor(models[impl], args, dev))
         print(json.dumps(out), flush=True)
 
 
@@ -195,54 +222,98 @@ def memory_worker(args):
     print(json.dumps(dict(impl=args.impl, peak_mb=added / 2**20)), flush=True)
 
 
-def bandwidth_floor(model, args):
-    """Batch-1 decode step time vs its floor: bytes that must be read per step / copy bandwidth."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(dev):
+    """Bytes per second a device-to-device copy moves (read + write): the floor's denominator."""
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    x = torch.empty((1 << 30) if cuda else (1 << 27), dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
+    reps = 20 if cuda else 5
     for _ in range(3):
         y.copy_(x)
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
-    for _ in range(20):
+    for _ in range(reps):
         y.copy_(x)
-    torch.cuda.synchronize()
-    bw = 2 * x.numel() * 20 / (time.perf_counter() - t)  # read + write bytes per second
+    sync()
+    return 2 * x.numel() * reps / (time.perf_counter() - t)
+
+
+def bandwidth_floor(model, args, dev):
+    """The batch-1 decode step of the fused rollout copy (top-level keys, which bench/gpu_summary.py
+    reads) and of the model as loaded ("unfused"), each against its bandwidth floor."""
+    path = make_checkpoint(args.size, args.ckpt_dir)
+    fused = model if not args.plain else rollout_model(path, dev, fused=True)
+    plain = model if args.plain else rollout_model(path, dev, fused=False)
+    bw = copy_bandwidth(dev)
+    out = dict(copy_gb_s=bw / 1e9, rollout_model=f"fused {str(dtype_for(dev)).split('.')[-1]}",
+               kernel_count="cuda kernels (profiler)" if dev.type == "cuda" else "cpu aten ops",
+               **decode_step_figures(fused, args, dev, bw))
+    out["unfused"] = decode_step_figures(plain, args, dev, bw)
+    return out
+
+
+def decode_step_figures(model, args, dev, bw):
+    """Batch-1 decode step time (with graphs on CUDA, and without) vs its floor: bytes that must be
+    read per step (weights + the KV cache at full length) / copy bandwidth; kernels per step."""
     cfg = model.config
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * (args.prompt_len + args.new_tokens)
+    elt = next(model.parameters()).element_size()
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elt * (args.prompt_len + args.new_tokens)
     # time one decode step: (generation of N tokens - generation of 1 token) / (N - 1)
-    ids = torch.randint(3, cfg.vocab_size, (1, args.prompt_len), device="cuda")
+    ids = torch.randint(3, cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(2)).to(dev)
     mask = torch.ones_like(ids)
 
-    def timed(n, graphs=True):
+    def timed(n, graphs):
         best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
+        for _ in range(3 if graphs else 2):  # the first call with graphs captures: best of 3 leaves it out
+            sync()
             t = time.perf_counter()
             generate(model, ids, mask, n, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=graphs)
-            torch.cuda.synchronize()
+            sync()
             best = min(best, time.perf_counter() - t)
         return best
 
-    step = (timed(args.new_tokens) - timed(1)) / (args.new_tokens - 1)
-    eager_step = (timed(args.new_tokens, False) - timed(1, False)) / (args.new_tokens - 1)
+    N = args.new_tokens
+    eager_step = (timed(N, False) - timed(1, False)) / (N - 1)
+    step = (timed(N, True) - timed(1, True)) / (N - 1) if cuda else eager_step  # no graphs on the CPU
     floor = (w_bytes + kv_bytes) / bw
-    return dict(copy_gb_s=bw / 1e9, step_ms=step * 1e3, eager_step_ms=eager_step * 1e3, floor_ms=floor * 1e3,
+    return dict(step_ms=step * 1e3, eager_step_ms=eager_step * 1e3, floor_ms=floor * 1e3,
                 step_over_floor=step / floor, kernels_per_step=kernels_per_step(model, ids, mask))
 
 
 def kernels_per_step(model, ids, mask, n=9):
-    """CUDA kernels one decode step launches (what one graph replay runs): kernels of an eager
-    generation of n tokens minus those of 1 token, over n - 1, counted by the profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    """Kernels one decode step launches, as training samples (temperature 1): those of an eager
+    generation of n tokens minus those of 1 token, over n - 1. CUDA: kernels the profiler saw (what
+    one graph replay runs); CPU: kernel-launching aten ops (bench/decode_ops.py's counter and its
+    "cpu ops" column: views, allocations and SDPA's backend choice left out; counted under no_grad,
+    as decode_ops does, since inference_mode would hide what composite ops such as rms_norm and
+    linear decompose into; the CPU decode loop adds its per-step `done.all()` check, 2 ops)."""
+    sampling = dict(temperature=1.0, top_k=-1, top_p=1.0, do_sample=True)
 
-    def count(tokens):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            generate(model, ids, mask, tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                     use_cuda_graph=False)
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    def gen(tokens):  # nanokl.rollout.generate, eager, without its inference_mode
+        with torch.no_grad():
+            rollout._generate(model, ids, mask, tokens, sampling, rollout.eos_list(None), 0, None, 1)
 
+    if ids.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        def count(tokens):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                gen(tokens)
+                torch.cuda.synchronize()
+            return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    else:
+        from decode_ops import OpCounter  # bench/ is this script's folder, first on sys.path
+
+        def count(tokens):
+            with OpCounter() as counter:
+                gen(tokens)
+            return len(counter.ops)
+
+    gen(n)  # warm-up: lazy buffers and first-call paths are not the step's
     return (count(n) - count(1)) / (n - 1)
 
 
@@ -261,6 +332,8 @@ def main(argv=None):
     ap.add_argument("--memory", choices=["auto", "on", "off"], default="auto",
                     help="CPU peak memory in a fresh process per implementation (auto: on for CPU; CUDA measures "
                          "peak memory in the timing process)")
+    ap.add_argument("--plain", action="store_true",
+                    help="nanokl runs the model as loaded, unfused, instead of the fused rollout copy training samples with")
     ap.add_argument("--naive-max-batch", type=int, default=1 << 30, help="skip the naive loop above this batch")
     ap.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "nanokl_bench_ckpts"))
     ap.add_argument("--out", default=None, help="write the markdown table here, row by row as measured")
@@ -280,11 +353,15 @@ def main(argv=None):
     impls = (args.impls or ("nanokl,nanokl-eager,naive,hf" if cuda else "nanokl,naive,hf")).split(",")
     only = parse_impl_batches(args.impl_batches if args.impl_batches is not None
                               else ("hf=32,naive=1,nanokl-eager=1" if cuda else ""))
+    if "hf" in impls and importlib.util.find_spec("transformers") is None:  # the GPU machine may lack it
+        impls.remove("hf")
+        print("# no transformers here: the hf column is left out", flush=True)
     memory = args.memory == "on" or (args.memory == "auto" and not cuda)
     print(f"# rollout benchmark: device={args.device} prompt={args.prompt_len} new={args.new_tokens} "
-          f"torch={torch.__version__} threads={torch.get_num_threads()}", flush=True)
+          f"torch={torch.__version__} threads={torch.get_num_threads()} nanokl runs "
+          f"{'the model as loaded' if args.plain else 'the fused rollout copy'}", flush=True)
     common = ["--device", args.device, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-              "--ckpt-dir", args.ckpt_dir]
+              "--ckpt-dir", args.ckpt_dir] + (["--plain"] if args.plain else [])
     rows = []
     table = Table(args.out, impls)
     for size in sizes:
@@ -366,9 +443,20 @@ def format_row(got, impls):
 
 
 def format_floor(r):
-    return (f"batch-1 decode step, {r['size']}: {r['step_ms']:.3f} ms with graphs, {r['eager_step_ms']:.3f} ms "
-            f"without, vs floor {r['floor_ms']:.3f} ms ({r['step_over_floor']:.2f}x; copy bandwidth "
-            f"{r['copy_gb_s']:.0f} GB/s); {r['kernels_per_step']:.0f} CUDA kernels per decode step (= per replay)\n")
+    """The batch-1 decode step lines of a nanokl row: the fused rollout copy, then the model as loaded."""
+    cuda = r["kernel_count"].startswith("cuda")
+    unit = "CUDA kernels per decode step (= per replay)" if cuda else "aten ops per decode step"
+    dtype = r["rollout_model"].split()[-1]
+
+    def line(name, f):
+        steps = (f"{f['step_ms']:.3f} ms/token with graphs, {f['eager_step_ms']:.3f} ms without" if cuda
+                 else f"{f['eager_step_ms']:.3f} ms/token (eager: no graphs on the CPU)")
+        return (f"batch-1 decode step, {r['size']}, {name}: {steps}, vs floor {f['floor_ms']:.3f} ms "
+                f"({f['step_over_floor']:.2f}x floor); {f['kernels_per_step']:.0f} {unit}")
+    lines = [line(f"fused {dtype} rollout copy (what training samples with)", r)]
+    if "unfused" in r:
+        lines.append(line(f"model as loaded (unfused {dtype})", r["unfused"]))
+    return "\n".join(lines) + f"\n(copy bandwidth {r['copy_gb_s']:.0f} GB/s)\n"
 
 
 def format_table(rows, impls):

@@ -32,6 +32,19 @@ choice), a compiled FlexAttention with a document mask (CUDA otherwise), and on 
 SDPA per document (exact, O(sum l_i^2) work, no mask at all). Finding the boundaries reads the
 ids on the host once per forward; a training forward can afford that, a decode step never does.
 
+varlen_attn is young and its arguments change between releases, so the kernel is chosen by what
+the installed function accepts (its signature), not by whether the module exists. Causal is
+`window_size=(-1, 0)` (the wrapper tests `window_size == (-1, 0)`, so it must be that tuple; a
+varlen_attn without window_size, 2.9's and 2.10's `is_causal` form, is not used). GQA is
+`enable_gqa=True` where the signature has it (2.13, 2.14); 2.11's has none and documents keys of H
+heads, so there the K/V heads are repeated to H first, as for a mask.
+
+FlexAttention's block mask comes from a compiled `create_block_mask` on CUDA. Eager, it evaluates
+the mask at every (query, key) pair, a B x T x T tensor (even in 2.14, whose `_compile=True` is
+just this compile); compiled, inductor can fuse that evaluation into the per-block reduction (not
+yet measured on a GPU here). The second packed length recompiles it with the length dynamic;
+later lengths reuse that graph.
+
 Decode: one query per row attends over all cache slots. The G query heads of a KV head become G
 query *rows* of one [B, n_kv, G, d] problem, so GQA needs neither a copy of the cache nor
 enable_gqa, and the mask [B, 1, 1, S] broadcasts over them. SDPA computes the scores and the
@@ -45,12 +58,14 @@ prints for an actor micro-batch.
 
 tests/test_attention.py checks every layout against a float64 softmax written out per head, that
 SDPA never receives a mask together with enable_gqa (padded, prefill, packed, decode), that the
-packed path of a 16,384-token row on the meta device holds no tensor of L^2 elements, and that the
-FlexAttention branch equals per-document attention.
+packed path of a 16,384-token row on the meta device holds no tensor of L^2 elements, that the
+varlen call is right for each torch's signature (stand-ins with 2.11's and 2.14's), and that the
+FlexAttention branch equals per-document attention with its block mask compiled once.
 """
 
 import contextlib
 import importlib.util
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -147,12 +162,58 @@ def packed_kernel(q):
     """The varlen kernel for a packed forward on q's device (see the module docstring)."""
     if q.device.type != "cuda":
         return "sdpa-per-document"
-    half = _compute_dtype(q) in (torch.float16, torch.bfloat16)
-    if half and importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+    return cuda_packed_kernel(_compute_dtype(q))
+
+
+def cuda_packed_kernel(dtype):
+    """The packed kernel CUDA runs for a computation in `dtype` with this torch."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and varlen_api() is not None:
         return "varlen"
     if half and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attn"
     return "flex"
+
+
+@dataclass(frozen=True)
+class VarlenAPI:
+    """How this torch's varlen_attn is called, read from its signature."""
+    fn: object
+    signature: str
+    gqa: bool  # takes enable_gqa (2.13, 2.14); without it (2.11) K/V heads are repeated to H first
+
+
+_VARLEN = {}
+
+
+def varlen_api():
+    """The installed `torch.nn.attention.varlen.varlen_attn` as a VarlenAPI, or None when there is
+    none or it cannot be called causally by `window_size` (2.9/2.10 took `is_causal`)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn as fn
+    except ImportError:
+        return None
+    if fn not in _VARLEN:  # keyed by the function: a test may swap in another
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature to read: nothing to rely on
+            sig = inspect.Signature()
+        params = sig.parameters
+        _VARLEN[fn] = VarlenAPI(fn, str(sig), "enable_gqa" in params) if "window_size" in params else None
+    return _VARLEN[fn]
+
+
+def varlen_signature():
+    """The installed varlen_attn's signature as text (None without one), usable or not: for the
+    GPU check's report."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn as fn
+    except ImportError:
+        return None
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(unreadable)"
 
 
 def _packed(q, k, v, lay):
@@ -166,14 +227,19 @@ def _packed(q, k, v, lay):
         flat = [t.to(_compute_dtype(q)) for t in flat]  # a custom op: autocast does not cast for it
         cu, longest = lay.cu_seqlens, max(lay.lengths)
         if kernel == "varlen":
-            from torch.nn.attention.varlen import varlen_attn
-            y = varlen_attn(*flat, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=n_kv != H)
+            api, gqa = varlen_api(), {}
+            if n_kv != H and api.gqa:
+                gqa["enable_gqa"] = True
+            elif n_kv != H:  # no enable_gqa (2.11): each KV head copied for its G query heads, as repeat_kv
+                flat[1:] = [t.repeat_interleave(H // n_kv, dim=1) for t in flat[1:]]
+            # causal is exactly the tuple (-1, 0): the wrapper compares window_size == (-1, 0)
+            y = api.fn(*flat, cu, cu, longest, longest, window_size=(-1, 0), **gqa)
         else:
             from flash_attn import flash_attn_varlen_func
             y = flash_attn_varlen_func(*flat, cu, cu, longest, longest, causal=True)
         return y.view(B, T, H, d).transpose(1, 2)
     if kernel == "flex":
-        return _flex(q, k, v, lay)
+        return _flex(q, k, v, lay, compiled=q.device.type == "cuda")
     qf, kf, vf = (t.transpose(0, 1)[None] for t in flat)  # [1, heads, B*T, d]
     outs, start = [], 0
     for n in lay.lengths:
@@ -184,16 +250,22 @@ def _packed(q, k, v, lay):
     return torch.cat(outs, 2)[0].transpose(0, 1).reshape(B, T, H, d).transpose(1, 2)
 
 
-def _flex(q, k, v, lay):
-    """FlexAttention with a document-causal block mask (compiled on CUDA; eager elsewhere, which
-    materialises the scores: only the tests run it there)."""
+def document_causal(ids):
+    """FlexAttention's mask_mod: key ki is visible to query qi in the same document, ki <= qi.
+    Each forward's is a new closure of this one code, which the compiled create_block_mask takes
+    without recompiling."""
+    return lambda b, h, qi, ki: (ids[b, qi] == ids[b, ki]) & (ki <= qi)
+
+
+def _flex(q, k, v, lay, compiled):
+    """FlexAttention with a document-causal block mask, both compiled on CUDA. Eager (`compiled`
+    False: only the tests run it) the mask is evaluated at every (query, key) pair, B x T x T."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     B, H, T, _ = q.shape
-    if "block_mask" not in lay.built:
-        ids = lay.seq_ids
-        lay.built["block_mask"] = create_block_mask(
-            lambda b, h, qi, ki: (ids[b, qi] == ids[b, ki]) & (ki <= qi), B, None, T, T, device=q.device)
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    if "block_mask" not in lay.built:  # once per forward, shared by the layers
+        make = _compiled(create_block_mask) if compiled else create_block_mask
+        lay.built["block_mask"] = make(document_causal(lay.seq_ids), B, None, T, T, device=q.device)
+    fn = _compiled(flex_attention) if compiled else flex_attention
     q, k, v = (t.to(_compute_dtype(q)) for t in (q, k, v))  # not an autocast op either
     return fn(q, k, v, block_mask=lay.built["block_mask"], enable_gqa=k.shape[1] != H)
 
@@ -201,11 +273,13 @@ def _flex(q, k, v, lay):
 _COMPILED = {}
 
 
-def _compiled_flex():
-    if "flex" not in _COMPILED:
-        from torch.nn.attention.flex_attention import flex_attention
-        _COMPILED["flex"] = torch.compile(flex_attention)
-    return _COMPILED["flex"]
+def _compiled(fn):
+    """torch.compile(fn), made once per process. Not create_block_mask(_compile=True): in 2.11 and
+    2.14 that is this same call plus a DeprecationWarning. The second packed length recompiles with
+    the length dynamic (torch.compile's automatic dynamic shapes); later lengths reuse that graph."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
 
 
 def _compute_dtype(q):

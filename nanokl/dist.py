@@ -56,7 +56,11 @@ exactly like the uninterrupted run, and rank 1 never opens optim.pt or the weigh
 import contextlib
 import gc
 import os
+import re
+import sys
+import warnings
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -93,10 +97,49 @@ def init():
 
 def local_device(setting="auto"):
     """This process's device for trainer.device = cpu | cuda | auto (CUDA when there is one);
-    on CUDA the GPU torchrun gave it (LOCAL_RANK)."""
-    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+    on CUDA the GPU torchrun gave it (LOCAL_RANK). `auto` on a CUDA build of torch that finds no
+    usable GPU says why on stderr, once: a driver older than the build needs otherwise looks like
+    a run that chose the CPU (torch 2.14's cu130 wheels need driver >= 580)."""
+    if setting == "cpu":
         return torch.device("cpu")
+    if setting == "auto":
+        with warnings.catch_warnings(record=True) as caught:  # torch warns at most once: keep it
+            warnings.simplefilter("always")
+            usable = torch.cuda.is_available()
+        said = None
+        if not usable and torch.version.cuda and not _SAID_CPU:
+            _SAID_CPU.append(True)
+            said = next((w for w in caught if "cuda" in str(w.message).lower()), None)
+            print(f"nanokl: trainer.device=auto runs on the CPU: {_why_no_cuda(said)}", file=sys.stderr)
+        for w in caught:  # the others reach the caller's filters as if never caught
+            if w is not said:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if not usable:
+            return torch.device("cpu")
     return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+
+
+_SAID_CPU = []
+# the oldest driver that runs a build for each CUDA major (NVIDIA's CUDA Compatibility guide, "Minor
+# Version Compatibility": 11.x >= 450, 12.x >= 525, 13.x >= 580)
+_MIN_DRIVER = {11: "450", 12: "525", 13: "580"}
+_DRIVER_FILE = "/proc/driver/nvidia/version"  # the loaded kernel module's version, without nvidia-smi
+
+
+def _why_no_cuda(warned):
+    """One line: the driver found, what this torch build needs, and torch's own warning if any."""
+    cuda = torch.version.cuda
+    need = _MIN_DRIVER.get(int(cuda.split(".")[0]))
+    why = f"torch {torch.__version__} is built for CUDA {cuda}"
+    why += f", which needs NVIDIA driver >= {need}" if need else ""
+    try:
+        found = re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", Path(_DRIVER_FILE).read_text())
+        why += f"; this machine's driver is {found.group(1)}" if found else f"; {_DRIVER_FILE} names no version"
+    except OSError:
+        why += f"; no NVIDIA driver loaded ({_DRIVER_FILE} absent)"
+    if warned is not None:  # e.g. "The NVIDIA driver on your system is too old (found version 12080)"
+        why += f"; torch: {' '.join(str(warned.message).split())[:240]}"
+    return why
 
 
 def active():

@@ -183,8 +183,8 @@ def prefill(model, cache, prompt_cache, state, input_ids, attention_mask, n, R, 
 
 def decode(state, R, step):
     """2. `step(t)` for t = 1, 2, ... until R columns, or until every row has emitted an EOS.
-    Returns the number of columns sampled."""
-    steps = 1
+    Returns the number of columns sampled (the prefill sampled the first; none when R = 0)."""
+    steps = min(R, 1)
     check_every = 16 if state.done.device.type == "cuda" else 1
     while steps < R:
         if steps % check_every == 0 and bool(state.done.all()):

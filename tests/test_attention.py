@@ -12,7 +12,19 @@ rule (SDPA never gets a mask together with enable_gqa), the memory of the packed
   parameter-shaped gradients; the mask path, measured the same way, exceeds L^2.
 - Decode attention on a bf16 cache computes its scores in fp32: its error against float64 is the
   final rounding of the output, below what rounding scores and probabilities to bf16 gives.
+- The packed CUDA path, forced on the CPU, calls stand-ins with the exact signatures of torch
+  2.11's and 2.14.1's varlen_attn (a keyword either lacks is a TypeError, as in the real one) and
+  equals the float64 reference for MHA and GQA: causal only if window_size is the tuple (-1, 0),
+  2.11 given K/V heads repeated to H, 2.14 given enable_gqa. The kernel is chosen by the
+  signature (2.10's is_causal form and a torch without the module are not "varlen"), and one of
+  the stand-ins has the installed torch's signature, so they cannot drift from the torch tested.
+- The compiled FlexAttention branch (a counting backend on the CPU) equals per-document attention
+  and compiles the block mask twice over four packed lengths (the second with dynamic shapes).
 """
+
+import importlib.util
+import inspect
+import sys
 
 import pytest
 import torch
@@ -237,3 +249,167 @@ def test_cuda_kernels_are_fused_under_bf16_autocast():
         m(ids[:1], seq, pos)
     assert "sdpa-math" not in names, names
     assert names[-1] == "varlen"
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn.attention.varlen.varlen_attn as each torch has it. The parameter lists are copied from
+# the released sources (2.11.0: the installed wheel; 2.14.1: torch/nn/attention/varlen.py of its
+# wheel; 2.10: a stored copy of that file): names, keyword-only marker and defaults exactly, no
+# **kwargs, so a keyword the real function lacks is a TypeError here too. The body is what the
+# FlashAttention kernel computes, per document, in float64; causal exactly when the real wrapper
+# makes it so (`is_causal = window_size == (-1, 0)`: a list would be full attention).
+
+VARLEN_CALLS = []
+
+
+def _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale):
+    assert cu_seq_q.dtype == torch.int32 and cu_seq_k.equal(cu_seq_q)
+    lengths = cu_seq_q.diff().tolist()
+    assert cu_seq_q[0] == 0 and cu_seq_q[-1] == query.shape[0] and max_q == max_k == max(lengths)
+    assert isinstance(max_q, int)  # the real op takes a SymInt, not a tensor
+    groups = query.shape[1] // key.shape[1]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for a, b in zip(cu_seq_q.tolist(), cu_seq_q.tolist()[1:]):
+        q = query[a:b].double().transpose(0, 1)  # [H, n, d]
+        k, v = (t[a:b].double().transpose(0, 1).repeat_interleave(groups, 0) for t in (key, value))
+        s = q @ k.transpose(1, 2) * (scale if scale is not None else query.shape[-1] ** -0.5)
+        if causal:
+            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        out[a:b] = (s.softmax(-1) @ v).transpose(0, 1)
+    return out.to(query.dtype)
+
+
+def varlen_attn_2_11(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux=None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+):
+    # 2.11 documents key/value as (T_k, H, D), H the query heads, and checks nothing: a GQA key
+    # goes straight to the kernel, outside the documented contract. The stand-in refuses it.
+    if key.shape[1] != query.shape[1] or value.shape[1] != query.shape[1]:
+        raise ValueError(f"2.11 takes key/value of (T_k, H, D): H={query.shape[1]}, got {key.shape[1]}")
+    VARLEN_CALLS.append("2.11")
+    is_causal = window_size == (-1, 0)
+    return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale)
+
+
+def varlen_attn_2_14(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux=None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int | None = None,
+):
+    # 2.14.1's own checks, word for word in substance
+    num_heads_q, num_heads_k = query.size(1), key.size(1)
+    if not enable_gqa and num_heads_q != num_heads_k:
+        raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={num_heads_q} "
+                         f"and Hkv={num_heads_k}. Try setting enable_gqa=True for GQA.")
+    if enable_gqa and num_heads_q % num_heads_k != 0:
+        raise ValueError(f"Expect number of query heads to be a multiple of kv heads for GQA but got "
+                         f"Hq={num_heads_q} and Hkv={num_heads_k}.")
+    assert seqused_k is None and block_table is None  # inference-only extras nanokl never passes
+    VARLEN_CALLS.append("2.14")
+    is_causal = window_size == (-1, 0)
+    return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale)
+
+
+def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    VARLEN_CALLS.append("2.10")  # causal by a flag, no window_size, no GQA: nanokl does not use it
+    return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None)
+
+
+STANDINS = {"2.11": varlen_attn_2_11, "2.14": varlen_attn_2_14}
+
+
+def packed_rows():
+    """Two packed rows (documents 5, 3, 4 and 7, 5) and their float64 visibility."""
+    ids = torch.tensor([[1] * 5 + [2] * 3 + [3] * 4, [1] * 7 + [2] * 5])
+    T = ids.shape[1]
+    vis = torch.ones(T, T, dtype=torch.bool).tril() & (ids[:, :, None] == ids[:, None, :])
+    return ids, vis
+
+
+@pytest.mark.parametrize("n_kv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("version", list(STANDINS))
+def test_varlen_call_fits_each_torch_signature(monkeypatch, version, n_kv):
+    """The packed CUDA path through each torch's varlen_attn equals the float64 reference. Before
+    the kernel read the signature it passed enable_gqa to every torch: 2.11 raised TypeError."""
+    import torch.nn.attention.varlen as V
+    monkeypatch.setattr(V, "varlen_attn", STANDINS[version])
+    monkeypatch.setattr(A, "packed_kernel", lambda q: "varlen")  # the CUDA choice, forced as on meta above
+    ids, vis = packed_rows()
+    q, k, v = qkv(2, 4, n_kv, ids.shape[1], ids.shape[1])
+    VARLEN_CALLS.clear()
+    got = A.attend(q, k, v, A.layout(ids))
+    assert VARLEN_CALLS == [version]
+    assert (got - reference(q, k, v, vis)).abs().max() <= 1e-5
+
+
+def test_packed_kernel_follows_the_signature(monkeypatch):
+    """varlen only where window_size makes it causal; GQA by enable_gqa only where it exists."""
+    import torch.nn.attention.varlen as V
+    otherwise = "flash_attn" if importlib.util.find_spec("flash_attn") is not None else "flex"
+    for fn, gqa in ((varlen_attn_2_11, False), (varlen_attn_2_14, True)):
+        monkeypatch.setattr(V, "varlen_attn", fn)
+        assert A.cuda_packed_kernel(torch.bfloat16) == A.cuda_packed_kernel(torch.float16) == "varlen"
+        assert A.cuda_packed_kernel(torch.float32) == "flex"  # FlashAttention is fp16/bf16 only
+        assert A.varlen_api().gqa is gqa
+    monkeypatch.setattr(V, "varlen_attn", varlen_attn_2_10)
+    assert A.varlen_api() is None and A.cuda_packed_kernel(torch.bfloat16) == otherwise
+    monkeypatch.delattr(V, "varlen_attn")
+    assert A.varlen_api() is None and A.varlen_signature() is None
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # torch 2.6-2.8: no module
+    assert A.varlen_api() is None and A.cuda_packed_kernel(torch.bfloat16) == otherwise
+
+
+def test_a_standin_has_the_installed_signature():
+    """The stand-ins are the torch this suite runs on (2.11 or 2.13/2.14, whose varlen_attn are
+    alike): a torch whose varlen_attn differs from both needs a stand-in of its own here."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert params(varlen_attn) in [params(fn) for fn in STANDINS.values()], inspect.signature(varlen_attn)
+    assert A.varlen_signature() == str(inspect.signature(varlen_attn))
+
+
+def test_compiled_flex_builds_the_mask_once_per_shape_family(monkeypatch):
+    """The CUDA flex branch (compiled create_block_mask and flex_attention) with a counting backend
+    that runs the captured graphs eagerly: correct numbers, and four packed lengths compile each
+    function twice (the second time with the length dynamic), not four times."""
+    from torch._dynamo.testing import CompileCounter
+    counter, compile_ = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=counter, **kw))
+    monkeypatch.setattr(A, "_COMPILED", {})
+    torch._dynamo.reset()
+    frames = []
+    for lengths in ([5, 3, 4], [7, 6], [4, 4, 4, 5], [9, 2, 3, 3, 1]):
+        ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[None]
+        T = ids.shape[1]
+        vis = torch.ones(T, T, dtype=torch.bool).tril() & (ids[0][:, None] == ids[0][None, :])
+        q, k, v = qkv(1, 4, 2, T, T)
+        got = A._flex(q, k, v, A.layout(ids), compiled=True)
+        assert (got - reference(q, k, v, vis[None])).abs().max() <= 1e-5
+        frames.append(counter.frame_count)
+    torch._dynamo.reset()
+    assert frames[1] == frames[2] == frames[3] == 2 * frames[0], frames

@@ -6,10 +6,16 @@ bench/rollout.py did not accept and exited at once. `gpu_check.sh --smoke` runs 
 commands with the same flags on tiny shapes on the CPU, and the test checks that every step left
 its result and that the summary reads them. The numbers are not checked here (speed is what the
 benchmarks measure, never the tests); only that each script runs end to end and reports.
+
+The smoke also runs as the GPU machine would: with `python3` and no `python` on PATH (the machine
+promises only that), and it must leave at most 8 files under $OUT, at most two folders down, with
+names of [A-Za-z0-9._-] (what a device run hands back).
 """
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,27 +47,95 @@ def fake_gsm8k(path, rows=48):
                                 "answer": f"He has {a} * {b} = {a * b} apples.\n#### {a * b}"}) + "\n")
 
 
+SYSTEM_DIRS = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+SHELL_TOOLS = ["bash", "env", "timeout", "tar", "gzip", "find", "mktemp", "cp", "mv", "rm", "mkdir", "cat",
+               "dirname", "ls", "uname"]
+
+
+def python3_only_path(bin_dir):
+    """A PATH as on the GPU machine: `python3` (a link to this interpreter, which has torch) and the
+    system folders, but no `python` anywhere; a tool found only in a folder that also has `python`
+    is linked into bin_dir instead."""
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    dirs = [d for d in SYSTEM_DIRS if Path(d).is_dir() and not (Path(d) / "python").exists()]
+    for tool in SHELL_TOOLS:
+        found = shutil.which(tool)
+        if found and not shutil.which(tool, path=os.pathsep.join(dirs)):
+            (bin_dir / tool).symlink_to(found)
+    return os.pathsep.join([str(bin_dir), *dirs])
+
+
 def test_gpu_check_smoke(tmp_path):
-    """The GPU script end to end on CPU: probe, CUDA tests (collected), rollout table, PPO under
-    torchrun at world size 1, summary; each step's file must exist and the summary must read it."""
+    """The GPU script end to end on CPU, as the GPU machine runs it (python3, no python): probe,
+    CUDA tests (collected), rollout table, PPO under torch.distributed.run at world size 1, summary;
+    each step's file must exist, the summary must read it, and what $OUT holds must come back."""
     fake_gsm8k(tmp_path / "gsm8k.jsonl")
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "SMOKE_DATA": str(tmp_path / "gsm8k.jsonl"),
+    path = python3_only_path(tmp_path / "bin")
+    env = {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "SMOKE_DATA": str(tmp_path / "gsm8k.jsonl"),
            "OMP_NUM_THREADS": "1"}
-    run(["bash", str(BENCH / "gpu_check.sh"), "--smoke"], env=env, timeout=300)
+    env.pop("PY", None)
+    env.pop("VIRTUAL_ENV", None)
+    probe = subprocess.run(["bash", "-c", "command -v python; command -v python3"], env=env, capture_output=True,
+                           text=True)
+    assert probe.stdout.strip() == str(tmp_path / "bin" / "python3"), probe.stdout  # no python, our python3
+    stdout = run(["bash", str(BENCH / "gpu_check.sh"), "--smoke"], env=env, timeout=300)
     out = tmp_path / "out"
+
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert len(files) <= 8, files  # a device run hands back at most 8 files
+    assert all(f.count("/") <= 2 and all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in f.split("/"))
+               for f in files), files  # at most two folders down, plain names
+    assert {"summary.md", "summary.json", "logs.tar.gz"} <= set(files)
+    assert f"$OUT holds {len(files)} files" in stdout.splitlines()[-1]  # the summary is printed last
+
     assert json.loads((out / "env.json").read_text())["torch"]
     assert "collected" in (out / "cuda_tests.log").read_text()
     table = (out / "rollout.md").read_text()
     rows = [json.loads(ln) for ln in table.split("```")[1].strip().splitlines()]
     assert {(r["impl"], r["batch"]) for r in rows} == {("nanokl", 1), ("nanokl-eager", 1), ("nanokl", 4), ("hf", 4)}
     assert all(r["tok_s"] > 0 for r in rows)
+    b1 = next(r for r in rows if (r["impl"], r["batch"]) == ("nanokl", 1))  # the batch-1 decode step
+    assert b1["rollout_model"] == "fused float32" and b1["kernel_count"] == "cpu aten ops"
+    assert b1["floor_ms"] > 0 and b1["unfused"]["floor_ms"] > 0
+    assert 0 < b1["kernels_per_step"] < b1["unfused"]["kernels_per_step"]  # the fusions cut ops, on CPU too
+    assert "fused float32 rollout copy" in table and "model as loaded (unfused float32)" in table
     ppo = json.loads((out / "ppo" / "summary.json").read_text())
     assert ppo["steps"] == 2 and ppo["throughput"] > 0 and "timing_s/step" in ppo["timing"]
     assert ppo["sharded"] == "yes" and ppo["world"] == 1  # torchrun at world size 1: fsdp2 really shards
+    assert ppo["checkpoints"] == 0  # trainer.save_freq=-1: no ~12 GB checkpoint inside the PPO step
     assert ppo["kl_step0"] == 0.0  # the reference runs at the actor's precision
     assert ppo["attention_kernel"].startswith(("packed: ", "padded: "))
     summary = (out / "summary.md").read_text()
-    assert "missing" not in summary, summary
+    assert "missing" not in summary and "DOES NOT FIT" not in summary, summary
+    js = json.loads((out / "summary.json").read_text())
+    assert js["files_fit"] and js["files"] == files and js["rollout"] == rows and js["ppo"] == ppo
+    assert [s["step"] for s in js["steps"]] == ["env", "cuda_tests", "rollout", "ppo"]
+    assert all(s["rc"] == 0 and s["seconds"] < s["timeout_s"] for s in js["steps"]), js["steps"]
+    logs = subprocess.run(["tar", "tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
+    assert {"./env.log", "./cuda_tests.log", "./rollout.log", "./ppo.log", "./ppo/run/metrics.jsonl"} <= set(logs), logs
+    assert not any("model" in f.split("/") or "ckpts" in f.split("/") for f in logs), logs  # no weights
+
+
+def test_gpu_check_reports_what_would_not_come_back(tmp_path):
+    """The end of the GPU script on its own (a deadline of 0 skips every step): stray files in $OUT
+    beyond the 8 that come back, one three folders down and an odd name are reported, the summary
+    is still printed last, and the script exits 1."""
+    out = tmp_path / "out"
+    (out / "a" / "b" / "c").mkdir(parents=True)
+    for name in ("x1", "x2", "x3", "x4", "x5", "odd name.txt", "a/b/c/deep.txt"):
+        (out / name).write_text("stray\n")
+    env = {**os.environ, "OUT": str(out), "DEADLINE": "0", "SMOKE_DATA": str(tmp_path / "none.jsonl"),
+           "PATH": python3_only_path(tmp_path / "bin")}
+    res = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--smoke"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    last = res.stdout.strip().splitlines()
+    # 7 stray files + summary.md, summary.json, logs.tar.gz and cuda_tests.log (the skipped step's note)
+    assert last[-1].startswith("DOES NOT FIT: 11 files"), last[-1]
+    assert "'a/b/c/deep.txt'" in last[-1] and "'odd name.txt'" in last[-1]
+    js = json.loads((out / "summary.json").read_text())
+    assert not js["files_fit"] and [s["rc"] for s in js["steps"]] == ["skipped", "skipped", "skipped", "no data"]
 
 
 def test_memory_table():

@@ -100,7 +100,7 @@ def test_stop_ends_cleanly_with_a_checkpoint_and_says_why(sft_dir, tmp_path, cap
 
 
 def test_reference_recipe_reloads_the_reference_and_lowers_the_learning_rates(sft_dir, tmp_path, capfd):
-    code, err = blow_up(1, sft_dir, tmp_path, capfd, "trainer.save_freq=-1",
+    code, err = blow_up(1, sft_dir, tmp_path, capfd, "trainer.save_freq=1000",  # one checkpoint: the last step's
                         "trainer.kl_monitor.kl_stop_action=rollback", "trainer.kl_monitor.max_rollbacks=1",
                         "trainer.kl_monitor.rollback_recipe=reference", "trainer.kl_monitor.rollback_actor_lr=1e-5",
                         "trainer.kl_monitor.rollback_critic_lr=2e-4")
@@ -156,7 +156,7 @@ def test_adjustments_and_the_schedule_survive_a_resume(sft_dir, tmp_path, capfd,
     (SIGTERM) during step 3 then resumed, give the same rows (every adjustment at the same step, with the
     same value) and the same final controller."""
     def go(out):
-        return blow_up(1, sft_dir, out, capfd, *ADJUST, "trainer.total_training_steps=8", "trainer.save_freq=-1")
+        return blow_up(1, sft_dir, out, capfd, *ADJUST, "trainer.total_training_steps=8", "trainer.save_freq=8")
     assert go(tmp_path / "a")[0] == 0
     monkeypatch.setenv("NANOKL_FAULT", "sigterm@3")
     code, err = go(tmp_path / "b")

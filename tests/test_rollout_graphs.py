@@ -173,6 +173,20 @@ def test_replay_equals_eager(fake, B, n, sampling, fused):
     assert len(fake.graphs) == 1 and engine_stats(m)["buckets"][-1] >= B * n
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_zero_new_tokens_is_an_empty_response_on_every_path(fake, graphs):
+    """max_new_tokens=0 samples nothing: a [N, 0] response, the prompt alone, even after an earlier
+    call left tokens in the engine's buffers (the graph path once returned their column 0)."""
+    m = tiny_model(4)
+    ids, mask = prompts(3, 5, seed=1)
+    kw = dict(eos_token_id=[EOS], pad_token_id=PAD, n=2, temperature=0.9, use_cuda_graph=graphs)
+    generate(m, ids, mask, 6, generator=torch.Generator().manual_seed(0), **kw)  # leaves tokens behind
+    out = generate(m, ids, mask, 0, generator=torch.Generator().manual_seed(0), **kw)
+    assert out.responses.shape == out.response_mask.shape == out.log_probs.shape == (6, 0)
+    assert torch.equal(out.sequences, ids.repeat_interleave(2, 0))
+    assert torch.equal(out.attention_mask, mask.long().repeat_interleave(2, 0))
+
+
 def test_a_batch_smaller_than_its_bucket_samples_from_the_model_and_honours_its_seed(fake):
     m = tiny_model(7)
     ids, mask = prompts(5, 6, seed=3)  # 10 rows in bucket 16

@@ -51,7 +51,7 @@ COMMON_KEYS = ["actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entr
                  "algorithm.rollout_correction.bypass_mode=false"],  # the recomputing forward
      ["actor/kl_loss", "actor/kl_coef", "critic/vf_loss", "rollout/log_prob_max_diff", "timing_s/old_log_prob"]),
     ("grpo", ["--config", str(ROOT / "configs" / "grpo_arith.yaml"), "actor_rollout_ref.rollout.n=4",
-              "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
+              "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.save_freq=-1"],
      ["actor/kl_loss", "critic/advantages/mean"]),
     ("full_in_reward", ["algorithm.kl_penalty=full"],
      ["actor/reward_kl_penalty", "actor/reward_kl_k1", "actor/reward_kl_k3", "critic/vf_loss"]),
@@ -71,8 +71,11 @@ def test_smoke_runs(sft_dir, tmp_path, name, extra, keys):
                 assert v in ("ok", "warn", "rollback", "stop")
                 continue
             assert isinstance(v, (int, float)) and math.isfinite(v), f"{name}: {k}={v}"
+    # save_freq 2 writes the last step's checkpoint; save_freq -1 (the grpo case) none at all, as in verl
+    assert (latest_checkpoint(tmp_path) is None) == (name == "grpo")
     if name == "grpo":
         assert "critic/vf_loss" not in last  # no critic
+        assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
     if name == "kl_loss":  # rollout log-probs and the recomputed ones agree to float error (same weights, same formula)
         assert last["rollout/log_prob_max_diff"] < 1e-4 and last["rollout/bypass"] == 0.0
     else:  # CPU, the fp32 actor samples: bypass_mode=auto takes the old log-probs from the rollout

@@ -346,7 +346,7 @@ class TrainerConfig:
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console"])
     total_epochs: int = 30  # passes over the training prompts
     total_training_steps: Optional[int] = None  # stop after this many PPO steps; None -> from total_epochs
-    save_freq: int = -1  # checkpoint every this many steps; -1: only at the end
+    save_freq: int = -1  # checkpoint every this many steps and at the end; -1: never (a preemption still saves), as verl
     test_freq: int = -1  # validate every this many steps; -1: never during training
     val_before_train: bool = True  # validate once before the first step
     critic_warmup: int = 0  # steps training only the critic before the actor moves

@@ -374,7 +374,7 @@ def end_step(run, step, metrics) -> bool:
                   file=sys.stderr)
         return False
     preempted = run.preempt is not None and run.preempt.requested()  # the same answer on every rank
-    if (t.save_freq > 0 and done % t.save_freq == 0) or last or preempted:
+    if (t.save_freq > 0 and (done % t.save_freq == 0 or last)) or preempted:  # save_freq -1: none, as verl
         with timer(metrics, "save_checkpoint", run.device):
             path = save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe)
     run.tracker.log(metrics, step=done)

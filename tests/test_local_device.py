@@ -1,0 +1,84 @@
+"""nanokl.dist.local_device: trainer.device=auto on a CUDA build of torch that finds no usable GPU
+runs on the CPU and says why, on stderr, once; everywhere else it is silent.
+
+The machine is simulated (monkeypatched torch.cuda.is_available, torch.version.cuda, the driver's
+version file): torch 2.14.1+cu130 on a 570 driver, the case that would otherwise look like a run
+that chose the CPU. The line names the driver found, the driver the build needs (CUDA 13.x: >= 580)
+and torch's own warning, which is then not shown a second time; other warnings pass through.
+"""
+
+import warnings
+
+import torch
+
+from nanokl import dist as D
+
+TOO_OLD = ("CUDA initialization: The NVIDIA driver on your system is too old (found version 12080). Please "
+           "update your GPU driver by downloading and installing a new version from the URL: "
+           "http://www.nvidia.com/Download/index.aspx")
+
+
+def machine(monkeypatch, tmp_path, available=False, cuda="13.0", driver="570.86.15", warn=TOO_OLD):
+    """A torch built for `cuda` on a machine with `driver` (None: no driver loaded); torch warns
+    `warn` on its first CUDA query only, as the real one does."""
+    monkeypatch.setattr(D, "_SAID_CPU", [])
+    monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    version = tmp_path / "version"
+    if driver is not None:
+        version.write_text(f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {driver}  Release Build  "
+                           "(dvs-builder@U16-I3-B03-4-3)  Thu Jan 30 2025\nGCC version:  gcc version 12.3.0\n")
+    monkeypatch.setattr(D, "_DRIVER_FILE", str(version))
+    warned = []
+
+    def is_available():
+        if warn and not warned:
+            warned.append(True)
+            warnings.warn(warn, UserWarning)
+        return available
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+
+
+def test_auto_on_a_driver_too_old_says_why_once(monkeypatch, tmp_path, capsys):
+    machine(monkeypatch, tmp_path)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        devices = [D.local_device("auto") for _ in range(3)]
+    assert devices == [torch.device("cpu")] * 3
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("nanokl: trainer.device=auto runs on the CPU: torch 2.14.1+cu130 is built for CUDA 13.0")
+    assert "needs NVIDIA driver >= 580" in line and "driver is 570.86.15" in line
+    assert "found version 12080" in line
+    assert not shown  # torch's warning is in the line, not repeated
+
+
+def test_auto_without_a_driver_says_so(monkeypatch, tmp_path, capsys):
+    machine(monkeypatch, tmp_path, cuda="12.8", driver=None, warn=None)
+    assert D.local_device() == torch.device("cpu")
+    err = capsys.readouterr().err
+    assert "CUDA 12.8, which needs NVIDIA driver >= 525" in err and "no NVIDIA driver loaded" in err
+
+
+def test_silent_where_the_cpu_is_expected_or_cuda_works(monkeypatch, tmp_path, capsys):
+    machine(monkeypatch, tmp_path, cuda=None, warn=None)  # a CPU build of torch: nothing to explain
+    assert D.local_device("auto") == torch.device("cpu")
+    machine(monkeypatch, tmp_path, available=True, warn=None)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert D.local_device("auto") == torch.device("cuda:3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: 1 / 0)  # never asked
+    assert D.local_device("cpu") == torch.device("cpu")
+    assert D.local_device("cuda") == torch.device("cuda:3")
+    assert capsys.readouterr().err == ""
+
+
+def test_other_warnings_pass_through(monkeypatch, tmp_path, capsys):
+    machine(monkeypatch, tmp_path, available=True, warn="something unrelated")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        assert D.local_device("auto") == torch.device("cuda:0")
+    assert [str(w.message) for w in shown] == ["something unrelated"]
+    assert capsys.readouterr().err == ""
