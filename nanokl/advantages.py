@@ -1,17 +1,33 @@
-"""Advantages: which tokens deserve more probability? GAE (with a critic), GRPO and RLOO (without).
+"""Advantages: which tokens deserve more probability? GAE (with a critic), and six estimators without.
 
 Every estimator turns the per-token rewards of a batch of responses into per-token advantages
 (what the policy loss pushes on) and returns (what the critic regresses on, when there is one).
-They differ in the baseline they subtract: a learned critic V(s_t) (GAE), or the other responses
-to the same prompt (GRPO). `ESTIMATORS`, at the bottom, maps each name that
+They differ in the baseline they subtract. `ESTIMATORS`, at the bottom, maps each name that
 `algorithm.adv_estimator` accepts to a function with one signature and says whether it needs a
-critic and whether it groups responses by prompt; train_ppo.py and the config read only that
-table, so a new estimator is one function and one table entry here, plus its test.
+critic, whether it groups responses by prompt and whether it needs a greedy baseline rollout;
+train_ppo.py and the config read only that table, so a new estimator is one function and one
+table entry here, plus its test.
+
+| adv_estimator                | baseline                          | whitened     | costs beyond the rollout |
+|------------------------------|-----------------------------------|--------------|--------------------------|
+| gae                          | a learned critic V(s_t)           | batch tokens | a critic (forward + update) |
+| grpo                         | group mean (÷ group std)          | no           | rollout.n ≥ 2            |
+| rloo                         | mean of the group's other scores  | no           | rollout.n ≥ 2            |
+| reinforce_plus_plus          | none: whitening centres           | batch tokens | nothing                  |
+| reinforce_plus_plus_baseline | group mean                        | batch tokens | rollout.n ≥ 2            |
+| remax                        | the greedy response's score       | no           | a 2nd (greedy) rollout per step |
+| grpo_passk                   | the group's second-best score     | no           | rollout.n ≥ 2            |
+
+Each mirrors verl's function of the same name (compute_<name>_advantage_return or
+compute_<name>_outcome_advantage, verl/trainer/ppo/core_algos.py). Outcome estimators score a
+response by Σ_t r_t over its real tokens, selected (nanokl/masked.py), so a NaN or inf under the
+mask cannot leak; every estimator but GAE returns exact zeros under the mask. Where they differ
+from verl: README, 'Where nanokl differs from verl'.
 
 Whitening across ranks. GAE whitens its advantages over the batch. In a distributed run each rank
 holds a shard, and whitening with local statistics would make training depend on the number of
-GPUs, so GAE whitens with moments (Σx, Σx², n) summed over ranks (`whiten_stats`, nanokl/masked.py
-explains the moments; nanokl/dist.py sums them).
+GPUs, so GAE and both REINFORCE++ variants whiten with moments (Σx, Σx², n) summed over ranks
+(`whiten_stats`, nanokl/masked.py explains the moments; nanokl/dist.py sums them).
 
 GAE (Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized Advantage
 Estimation", arXiv:1506.02438)
@@ -59,13 +75,40 @@ unbiased (GRPO's group mean includes s_i, which shrinks every advantage by (k−
 division by the std rescales prompts by how much their scores vary). There is no std
 normalisation. A group of size one has no other response: its advantage is its own score (verl's
 `compute_rloo_outcome_advantage` does the same). Like GRPO, the returns are the advantages.
+
+REINFORCE++ (Hu 2025, arXiv:2501.03262)
+---------------------------------------
+No critic and no group: the return-to-go G_t = r_t + γ G_{t+1} over the real tokens, whitened
+over all the batch's real tokens (on every rank together); the returns are G. The whitening is
+the baseline: it centres every token on the batch's mean return. verl resets the running return
+at every masked position, which for right padding only keeps the padding out; a hole in the
+middle of a mask (tool output) would also cut the rewards after it off the tokens before it, so
+here masked positions are skipped and carry G through, as GAE's are.
+
+REINFORCE++-baseline (same paper): the score minus its group's mean (a lone response keeps its
+score, as in GRPO) is every token's value, and is then whitened over the batch's real tokens, so
+a long response weighs more in the mean and std than a short one. There is no discount: verl
+broadcasts the score, it does not take returns-to-go.
+
+ReMax (Li et al. 2023, arXiv:2310.10505)
+----------------------------------------
+The baseline is the score b of the *greedy* response to the same prompt: A_t = G_t − b with
+G_t = Σ_{t'≥t} r_t' (no discount, as verl). It is unbiased (b does not depend on the sampled
+response) and costs a second, greedy rollout per step plus its scoring. The step supplies b
+(one per row: the prompt's greedy score, repeated over its rollout.n rows) as `baselines`.
+
+GRPO pass@k (arXiv:2503.19595, the paper verl cites)
+---------------------------------------------------
+Only the best response of each group moves: it gets r_max − r_second (÷ (std_g + ε) with
+norm_adv_by_std_in_grpo), all others 0. With tied best scores that is 0 for everyone, so which
+of the tied responses "is" the best does not matter. A group needs ≥ 2 responses.
 """
 
 from typing import Callable, NamedTuple
 
 import torch
 
-from nanokl.masked import masked_moments, masked_whiten
+from nanokl.masked import masked_moments, masked_sum, masked_whiten, zero_masked
 
 
 @torch.no_grad()
@@ -98,6 +141,20 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
     return advantages, returns
 
 
+def sequence_scores(token_level_rewards, response_mask):
+    """Each response's score Σ_t r_t over its real tokens, [batch] (selected: nothing under the mask counts)."""
+    return masked_sum(token_level_rewards, response_mask, dim=-1)
+
+
+def whiten_real_tokens(x, response_mask, whiten_stats=None):
+    """x whitened with the moments of its real tokens (summed over ranks by `whiten_stats`, as in
+    GAE), and exactly 0 under the mask."""
+    stats = masked_moments(x, response_mask)
+    if whiten_stats is not None:
+        stats = whiten_stats(stats)
+    return zero_masked(masked_whiten(x, response_mask, stats=stats), response_mask)
+
+
 def group_ids(index, scores):
     """(a group number per row as a tensor, the number of groups) from one hashable prompt id per
     row (a list, numpy array or tensor); the outcome estimators' baselines are per group."""
@@ -117,7 +174,7 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
     index: one hashable prompt id per row (list, numpy array or tensor); rows with equal ids
         form a group.
     """
-    scores = token_level_rewards.sum(dim=-1)
+    scores = sequence_scores(token_level_rewards, response_mask)
     gid, n_groups = group_ids(index, scores)
     zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, gid, torch.ones_like(scores))
@@ -136,34 +193,11 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
     return advantages, advantages
 
 
-# ---------------------------------------------------------------------------------------------
-# The table train_ppo.py reads: name -> how to call it, whether it needs a critic, whether it
-# compares the responses to one prompt (then rollout.n > 1 and a prompt's responses stay on one
-# rank). Every entry is called the same way:
-#     fn(token_level_rewards, response_mask, values, index, alg, whiten_stats) -> (advantages, returns)
-# values: the critic's [N, R] (None without one); index: the prompt id of each row; alg: the
-# config's `algorithm` section; whiten_stats: the cross-rank moment reduction (GAE's whitening).
-# ---------------------------------------------------------------------------------------------
-
-class Estimator(NamedTuple):
-    fn: Callable
-    needs_critic: bool
-    grouped: bool
-
-
-def _gae(token_level_rewards, response_mask, values, index, alg, whiten_stats=None):
-    return compute_gae_advantage_return(token_level_rewards, values, response_mask, alg.gamma, alg.lam, whiten_stats)
-
-
-def _grpo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None):
-    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, alg.norm_adv_by_std_in_grpo)
-
-
 @torch.no_grad()
 def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index):
     """RLOO advantages [batch, response_len]: score minus the mean score of the other responses to
     the same prompt (`index`: one id per row); a lone response keeps its score. returns == advantages."""
-    scores = token_level_rewards.sum(dim=-1)
+    scores = sequence_scores(token_level_rewards, response_mask)
     gid, n_groups = group_ids(index, scores)
     zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, gid, torch.ones_like(scores))[gid]
@@ -174,12 +208,125 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index):
     return advantages, advantages
 
 
-def _rloo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None):
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma, whiten_stats=None):
+    """REINFORCE++: returns-to-go G_t = r_t + γ G_{t+1} over the real tokens (a masked position
+    carries G through), and advantages = G whitened over the real tokens; both [batch, response_len]."""
+    mask = response_mask.bool()
+    rewards = zero_masked(token_level_rewards, mask)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = running
+    returns = zero_masked(returns, mask)
+    return whiten_real_tokens(returns, mask, whiten_stats), returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
+                                                           whiten_stats=None):
+    """REINFORCE++-baseline: (score − its group's mean; a lone response keeps its score) on every
+    real token, whitened over the real tokens. returns == advantages."""
+    scores = sequence_scores(token_level_rewards, response_mask)
+    gid, n_groups = group_ids(index, scores)
+    zeros = scores.new_zeros(n_groups)
+    count = zeros.index_add(0, gid, torch.ones_like(scores))
+    mean = torch.where(count > 1, zeros.index_add(0, gid, scores) / count, 0.0)
+    centred = (scores - mean[gid]).unsqueeze(-1).expand(response_mask.shape)
+    advantages = whiten_real_tokens(centred, response_mask, whiten_stats)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_remax_outcome_advantage(token_level_rewards, response_mask, baselines):
+    """ReMax: returns G_t = Σ_{t'≥t} r_t' over the real tokens (no discount) and advantages G_t − b,
+    with b = `baselines` [batch], the score of the greedy response to the row's prompt."""
+    mask = response_mask.bool()
+    returns = zero_masked(zero_masked(token_level_rewards, mask).flip(-1).cumsum(-1).flip(-1), mask)
+    b = torch.as_tensor(baselines, dtype=returns.dtype, device=returns.device)
+    if b.shape != returns.shape[:1]:
+        raise ValueError(f"remax needs one baseline per response: {tuple(b.shape)} for {returns.shape[0]} responses")
+    return zero_masked(returns - b.unsqueeze(-1), mask), returns
+
+
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index, norm_adv_by_std=True,
+                                         eps=1e-6):
+    """GRPO pass@k: the best response of each group gets r_max − r_second (÷ (std + eps) with
+    norm_adv_by_std, unbiased std), the others 0. returns == advantages."""
+    scores = sequence_scores(token_level_rewards, response_mask)
+    gid, n_groups = group_ids(index, scores)
+    adv = torch.zeros_like(scores)
+    for g in range(n_groups):
+        rows = (gid == g).nonzero().squeeze(-1)
+        if len(rows) < 2:
+            raise ValueError(f"grpo_passk needs at least 2 responses per prompt, got {len(rows)}")
+        group = scores[rows]
+        top, arg = group.topk(2)
+        gap = top[0] - top[1]
+        adv[rows[arg[0]]] = gap / (group.std() + eps) if norm_adv_by_std else gap
+    advantages = adv.unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages
+
+
+# ---------------------------------------------------------------------------------------------
+# The table train_ppo.py reads: name -> how to call it, whether it needs a critic, whether it
+# compares the responses to one prompt (then rollout.n > 1 and a prompt's responses stay on one
+# rank), whether it needs the greedy baseline rollout. Every entry is called the same way:
+#     fn(token_level_rewards, response_mask, values, index, alg, whiten_stats, baselines=None)
+#         -> (advantages, returns)
+# values: the critic's [N, R] (None without one); index: the prompt id of each row; alg: the
+# config's `algorithm` section; whiten_stats: the cross-rank moment reduction; baselines: [N], the
+# score of a greedy response to each row's prompt, only read (and then required) by remax.
+# ---------------------------------------------------------------------------------------------
+
+class Estimator(NamedTuple):
+    fn: Callable
+    needs_critic: bool
+    grouped: bool
+    needs_greedy_baseline: bool = False  # the step must roll out greedily and pass the scores as `baselines`
+
+
+def _gae(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+    return compute_gae_advantage_return(token_level_rewards, values, response_mask, alg.gamma, alg.lam, whiten_stats)
+
+
+def _grpo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, alg.norm_adv_by_std_in_grpo)
+
+
+def _rloo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
     return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+def _reinforce_pp(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+    return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, alg.gamma, whiten_stats)
+
+
+def _reinforce_pp_baseline(token_level_rewards, response_mask, values, index, alg, whiten_stats=None,
+                           baselines=None):
+    return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
+                                                                  whiten_stats)
+
+
+def _remax(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+    if baselines is None:
+        raise ValueError("remax needs `baselines`: the scores of a greedy rollout of each row's prompt")
+    return compute_remax_outcome_advantage(token_level_rewards, response_mask, baselines)
+
+
+def _grpo_passk(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+    return compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index,
+                                                alg.norm_adv_by_std_in_grpo)
 
 
 ESTIMATORS = {
     "gae": Estimator(_gae, needs_critic=True, grouped=False),
     "grpo": Estimator(_grpo, needs_critic=False, grouped=True),
     "rloo": Estimator(_rloo, needs_critic=False, grouped=True),
+    "reinforce_plus_plus": Estimator(_reinforce_pp, needs_critic=False, grouped=False),
+    "reinforce_plus_plus_baseline": Estimator(_reinforce_pp_baseline, needs_critic=False, grouped=True),
+    "remax": Estimator(_remax, needs_critic=False, grouped=False, needs_greedy_baseline=True),
+    "grpo_passk": Estimator(_grpo_passk, needs_critic=False, grouped=True),
 }

@@ -34,6 +34,27 @@ that usually wrote the responses is the reference, whose log-probs are computed 
 at step 0. If the responses came from elsewhere every weight is off by μ_true/π_ref; truncation
 caps what one token can contribute. Log the behaviour log-probs when you can.
 
+Whole responses: sequence weights and rejection (verl's rollout_is=sequence, rollout_rs)
+----------------------------------------------------------------------------------------
+The correction that bias (c) below asks for is the whole product: rollout_is=sequence weighs every
+token of response i by
+
+    w_i = min(Π_t π_old(y_it)/μ(y_it), C) = min(exp(clamp(Σ_t log π_old/μ, ±20)), C),
+
+unbiased but for the cap, with a variance that grows exponentially with the length; hence the cap.
+(This is verl's sum of log-ratios; GSPO's length-normalised exp(mean_t) is a different number, used
+below as a band.) Instead of reweighting, rejection sampling (rollout_rs) removes the samples that
+left a trust region: their response_mask becomes 0, so they weigh nothing anywhere downstream.
+With log r_t = clamp(log π_old − log μ, ±20) at each real token, the three KL(μ‖π_old) estimators
+of nanokl/kl.py read k1 = −log r, k2 = ½(log r)², k3 = r − 1 − log r; an option names one and where
+it is taken: token_k* (each token alone), seq_sum_k*, seq_mean_k*, seq_max_k2/k3 (the response's
+sum, mean or max, which keeps or drops the whole response). k2 and k3 keep ≤ an upper bound; k1
+keeps log(lower) ≤ k1 ≤ log(upper), a band on μ/π_old (note: not on the weight π_old/μ; it is the
+same band when lower = 1/upper, the default). seq_mean_k1 is the geometric-mean band ("Geo-RS").
+`rollout_rs` may list several options ("token_k1,seq_max_k2"): a token survives only if all pass;
+`rollout_rs_threshold` gives one spec for all or one each ("0.5_2.0" = lower_upper, "2.0" = upper
+with lower 1/upper for k1). A NaN log-prob at a real token fails every test and is rejected.
+
 The KL the controller sees
 --------------------------
 On logged tokens the per-token estimates k(log π_old, log π_ref) of nanokl/kl.py average to a KL
@@ -59,6 +80,8 @@ pass weights of 1 on the real tokens; only (c) remains. Differs from verl: see R
 nanokl differs from verl'.
 """
 
+import math
+
 import torch
 
 from nanokl.masked import masked_sum, zero_masked
@@ -73,6 +96,95 @@ def truncated_is_weights(old_log_prob, behaviour_log_prob, response_mask, thresh
         raise ValueError(f"rollout_is_threshold must be >= 1 (so that mu = pi_old gives weight 1), got {threshold}")
     log_ratio = torch.clamp(old_log_prob.detach() - behaviour_log_prob.detach(), min=-20.0, max=20.0)
     return zero_masked(torch.clamp(torch.exp(log_ratio), max=threshold), response_mask)
+
+
+def sequence_is_weights(old_log_prob, behaviour_log_prob, response_mask, threshold=2.0):
+    """[N, R] weights min(Π_t π_old/μ, threshold) of each response on its real tokens, 0 under the
+    mask; detached. The row's log-ratio sum is clamped to [−20, 20] before exp; threshold >= 1."""
+    if not threshold >= 1.0:
+        raise ValueError(f"rollout_is_threshold must be >= 1 (so that mu = pi_old gives weight 1), got {threshold}")
+    log_ratio = zero_masked(old_log_prob.detach() - behaviour_log_prob.detach(), response_mask)
+    seq = torch.clamp(log_ratio.sum(dim=-1, keepdim=True), min=-20.0, max=20.0)
+    return zero_masked(torch.clamp(torch.exp(seq), max=threshold).expand_as(log_ratio), response_mask)
+
+
+# algorithm.rollout_correction.rollout_is -> weights; is_sums/is_metrics read either (per token).
+IS_LEVELS = {"token": truncated_is_weights, "sequence": sequence_is_weights}
+
+# algorithm.rollout_correction.rollout_rs options: where the statistic is taken, and which estimator.
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
+
+def rs_thresholds(rollout_rs, rollout_rs_threshold):
+    """{option: (lower or None, upper)} from verl's rollout_rs / rollout_rs_threshold specs."""
+    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs or "").split(",") if o.strip()))
+    unknown = [o for o in options if o not in RS_OPTIONS]
+    if not options or unknown:
+        raise ValueError(f"rollout_rs must list options among {', '.join(RS_OPTIONS)}, got {rollout_rs!r}")
+    spec_text = "" if rollout_rs_threshold is None else str(rollout_rs_threshold)
+    specs = [x.strip() for x in spec_text.split(",") if x.strip()]
+    if len(specs) not in (1, len(options)):
+        raise ValueError(f"rollout_rs_threshold needs one spec or one per option ({len(options)}), "
+                         f"got {rollout_rs_threshold!r}")
+    out = {}
+    for option, spec in zip(options, specs * len(options) if len(specs) == 1 else specs):
+        try:
+            if option.endswith("k1"):  # "lower_upper", or "upper" with lower = 1/upper
+                lower, upper = spec.split("_", 1) if "_" in spec else (None, spec)
+                upper = float(upper)
+                lower = 1.0 / upper if lower is None else float(lower)
+            elif "_" in spec:
+                raise ValueError("k2/k3 take an upper bound only")
+            else:
+                lower, upper = None, float(spec)
+        except (ValueError, ZeroDivisionError) as e:
+            raise ValueError(f"rollout_rs_threshold {spec!r} for {option}: {e}") from None
+        if not (upper > 0 and (lower is None or lower > 0)):
+            raise ValueError(f"rollout_rs_threshold {spec!r} for {option}: bounds must be positive")
+        out[option] = (lower, upper)
+    return out
+
+
+def rejection_mask(old_log_prob, behaviour_log_prob, response_mask, rollout_rs, rollout_rs_threshold):
+    """The response_mask with every token rejected by rollout_rs set to 0 (same dtype): a token
+    stays only if it is real and passes every option (a sequence option keeps or drops its row)."""
+    mask = response_mask.bool()
+    # float64 and selected first: padded NaN/inf never reach a statistic, k3 does not cancel
+    log_r = torch.clamp(zero_masked(old_log_prob.detach().double() - behaviour_log_prob.detach().double(), mask),
+                        min=-20.0, max=20.0)
+    k = {"k1": -log_r, "k2": 0.5 * log_r * log_r, "k3": torch.expm1(log_r) - log_r}
+    n = mask.double().sum(dim=-1)
+    keep = mask.clone()
+    for option, (lower, upper) in rs_thresholds(rollout_rs, rollout_rs_threshold).items():
+        level, est = option.rsplit("_", 1)
+        stat = zero_masked(k[est], mask)
+        if level == "seq_sum":
+            stat = stat.sum(dim=-1, keepdim=True)
+        elif level == "seq_mean":
+            stat = stat.sum(dim=-1, keepdim=True) / n.clamp(min=1).unsqueeze(-1)
+        elif level == "seq_max":  # k2, k3 >= 0, so the zeros under the mask never win; an empty row gives 0
+            stat = stat.amax(dim=-1, keepdim=True)
+        ok = (stat >= math.log(lower)) & (stat <= math.log(upper)) if lower is not None else stat <= upper
+        keep &= ok  # broadcasts a row's verdict to its tokens
+    return keep.to(response_mask.dtype)
+
+
+def rs_sums(kept_mask, response_mask):
+    """float64 [real tokens, rejected tokens, responses, responses with a rejected token]; add
+    across ranks."""
+    real = response_mask.bool()
+    rejected = real & ~kept_mask.bool()
+    return torch.stack([real.double().sum(), rejected.double().sum(),
+                        torch.tensor(float(real.shape[0]), dtype=torch.float64, device=real.device),
+                        rejected.any(dim=-1).double().sum()])
+
+
+def rs_metrics_from_sums(sums):
+    """{rs_masked_fraction, rs_seq_masked_fraction}: the fraction of real tokens rejected, and of
+    responses that lost at least one token (verl's rollout_rs_masked_fraction, ..._seq_...)."""
+    n_tok, rej_tok, n_seq, rej_seq = sums.unbind()
+    return {"rs_masked_fraction": rej_tok / n_tok.clamp(min=1), "rs_seq_masked_fraction": rej_seq / n_seq.clamp(min=1)}
 
 
 def is_sums(weights, response_mask, threshold):

@@ -1,4 +1,4 @@
-"""PPO losses: the clipped policy loss, the clipped value loss, and how to average them.
+"""PPO losses: clipped policy losses (PPO, GSPO, CISPO), the clipped value loss, and how to average them.
 
 Clipped policy loss (Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
 arXiv:1707.06347, eq. 7)
@@ -21,6 +21,26 @@ verl's `compute_policy_loss_vanilla`: pg_clipfrac (clipping active), pg_clipfrac
 clip active) and ppo_kl = mean of −log ρ, an estimate of KL(π_old‖π_θ): how far the epochs have
 walked from the sampler. With `is_weights` (responses another policy μ sampled, nanokl/offline.py)
 each token's loss is multiplied by w = min(π_old/μ, C) first; μ = π_old gives w = 1, the loss above.
+
+Two more policy losses, one signature (`POLICY_LOSSES`, verl's `actor.policy_loss.loss_mode`)
+---------------------------------------------------------------------------------------------
+GSPO (Zheng et al. 2025, arXiv:2507.18071) clips a *sequence's* ratio: one response is one action,
+its likelihood ratio normalised by its length, s_i = (π_θ(y_i)/π_old(y_i))^(1/|y_i|) =
+exp(mean_t log ρ_it). A token-level ratio lets a single noisy token leave the band while its
+neighbours stay; s_i moves the whole response in or out together. As in verl's
+`compute_policy_loss_gspo`, each token carries s_it = sg[s_i]·π_θ(y_it)/sg[π_θ(y_it)]: its value is
+s_i, its gradient s_i·∇log π_θ(y_it), so with A_it = A_i the seq-mean-token-mean gradient is GSPO's
+s_i·A_i·mean_t ∇log π_θ(y_it). The loss is max(−A·s, −A·clip(s, 1 − ε_low, 1 + ε_high)), no
+dual clip, log s clamped to ≤ 10 (not below), and verl always aggregates it seq-mean-token-mean,
+whatever loss_agg_mode says: here any other mode is refused, since `global_norm` must then count
+sequences. old_log_prob gets no gradient (it only enters through sg[s_i]).
+
+CISPO (MiniMax-M1, arXiv:2506.13585) never drops a token's gradient: PPO's clip zeroes it outside
+the band, CISPO clips the *weight* and keeps the REINFORCE term, loss = −sg[clip(ρ, 1 − ε_low,
+1 + ε_high)]·A·log π_θ, so d loss/d log π_θ = −clip(ρ)·A everywhere (verl's
+`compute_policy_loss_cispo`; any loss_agg_mode). Its value holds log π_θ itself, so only its
+gradient means anything. Both report pg_clipfrac (GSPO: the tokens where the clipped term wins;
+CISPO: where ρ leaves the band), pg_clipfrac_lower = 0 and ppo_kl as above (GSPO's unclamped).
 
 Clipped value loss (verl's `compute_value_loss`, from OpenAI baselines' ppo2)
 ---------------------------------------------------------------------------
@@ -123,6 +143,69 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
             "ppo_kl": masked_mean(-log_ratio, response_mask),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
+                             clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
+                             loss_agg_mode="seq-mean-token-mean", global_norm=None, horizon=None, is_weights=None):
+    """GSPO's sequence-ratio clipped loss (verl's `gspo`). compute_policy_loss's signature and
+    metrics; clip_ratio_c and horizon are unused (no dual clip; always seq-mean-token-mean)."""
+    if loss_agg_mode != "seq-mean-token-mean":
+        raise ValueError(f"gspo aggregates seq-mean-token-mean (as verl does, whatever loss_agg_mode says); "
+                         f"set loss_agg_mode to it, got {loss_agg_mode!r}")
+    old_log_prob, log_prob, advantages = (zero_masked(x, response_mask) for x in (old_log_prob, log_prob, advantages))
+    log_ratio = log_prob - old_log_prob  # 0 on padded tokens, so the row sum is the sum over real ones
+    seq_log_ratio = log_ratio.sum(dim=-1) / response_mask.to(log_ratio.dtype).sum(dim=-1).clamp(min=1)
+    # value log s_i, gradient d/d log π_θ(y_it) = 1: sg[s_i]·π_θ/sg[π_θ] in log space
+    log_seq_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    seq_ratio = torch.exp(log_seq_ratio)
+
+    loss_unclipped = -advantages * seq_ratio
+    loss_clipped = -advantages * torch.clamp(seq_ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    if is_weights is not None:
+        loss_mat = zero_masked(is_weights, response_mask) * loss_mat
+
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_norm, horizon)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype), response_mask),
+            "pg_clipfrac_lower": loss_mat.new_zeros(()),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
+                              clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
+                              loss_agg_mode="token-mean", global_norm=None, horizon=None, is_weights=None):
+    """CISPO's clipped-weight REINFORCE loss −sg[clip(ρ)]·A·log π_θ (verl's `cispo`).
+    compute_policy_loss's signature and metrics; clip_ratio_c is unused (no dual clip)."""
+    old_log_prob, log_prob, advantages = (zero_masked(x, response_mask) for x in (old_log_prob, log_prob, advantages))
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()  # a weight, not a path
+    loss_mat = -clipped_ratio * advantages * log_prob
+    if is_weights is not None:
+        loss_mat = zero_masked(is_weights, response_mask) * loss_mat
+
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_norm, horizon)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((ratio != clipped_ratio).to(loss_mat.dtype), response_mask),
+            "pg_clipfrac_lower": loss_mat.new_zeros(()),
+            "ppo_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+# actor.policy_loss.loss_mode -> loss; one signature: (old_log_prob, log_prob, advantages, response_mask,
+# clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_norm, horizon, is_weights)
+POLICY_LOSSES = {
+    "vanilla": compute_policy_loss,
+    "gspo": compute_policy_loss_gspo,
+    "cispo": compute_policy_loss_cispo,
+}
 
 
 def compute_value_loss(vpreds, returns, values, response_mask, cliprange_value,

@@ -26,6 +26,16 @@ Two facts make RL *for language models* different from RL on a game.
    averaged over the batch's responses (`mean_kl`; verl's `current_kl`). Under torchrun the sums
    are added over ranks (`reduce`), so every rank reads the same KL.
 
+DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, §3.4; verl's
+`reward_model.overlong_buffer` keys enable, len, penalty_factor). A response cut at the length
+limit L_max is usually unfinished, and a hard penalty there punishes sound reasoning that was only
+long. DAPO softens it over the last `len` tokens before the limit: with L the response's length,
+
+    penalty(L) = min(−(L − (L_max − len)) / len · penalty_factor, 0)
+
+0 up to L_max − len, then falling linearly to −penalty_factor at L = L_max (and further past it,
+never capped), added to the score before it is placed on the last token (`overlong_penalty`).
+
 Two variants replace the sampled estimate, each a step setup picks (nanokl/harness/variants.py):
 - the exact per-token KL Σ_v π(v)(log π(v) − log π_ref(v)) from both models' logits
   (`algorithm.kl_penalty=full`; computed micro-batch by micro-batch in nanokl/workers.py):
@@ -79,3 +89,13 @@ def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_ma
     token, r_t = score_t − β·KL_t. Returns (token_level_rewards, kl per token, current_kl)."""
     return apply_exact_kl_penalty(token_level_scores, kl_penalty(old_log_prob, ref_log_prob, kind), response_mask,
                                   beta, reduce)
+
+
+def overlong_penalty(response_lengths, max_len, buffer_len, penalty_factor):
+    """DAPO's soft length penalty per response (float64 [N]): min(−(L − (max_len − buffer_len)) /
+    buffer_len · penalty_factor, 0); add it to the scores (verl's DAPO reward manager)."""
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"overlong_buffer.len must be in (0, max_len={max_len}], got {buffer_len}")
+    lengths = torch.as_tensor(response_lengths, dtype=torch.float64)
+    exceed = lengths - (max_len - buffer_len)
+    return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)

@@ -1,11 +1,19 @@
 """Tests for nanokl/advantages.py: GAE against a per-sequence float64 loop, world-size independent
-whitening, and GRPO against per-group python lists.
+whitening, and the outcome estimators against per-group python lists.
 
 How the tests prove it. GAE equals a float64 per-sequence python loop that first compresses each
 row to its real tokens; with γ = λ = 1, returns equal the Monte Carlo return-to-go; whitening with
 the summed moments of a 2-way split equals whitening the whole batch; GRPO equals a per-group
 manual computation with python lists, including a group of size one and norm_adv_by_std=False;
 RLOO equals a per-group python loop over the other responses' scores.
+
+REINFORCE++, REINFORCE++-baseline, ReMax and GRPO pass@k each equal a float64 python loop written
+from verl's formula (verl's function at b178a3c, not imported): REINFORCE++ with verl's reset of
+the running return at masked positions on right-padded masks, and with the return chained around
+holes where nanokl departs from verl (the test shows verl's loop would differ there). Both
+REINFORCE++ variants whiten the same on a 2-way split with summed moments as on the whole batch.
+Every outcome estimator, called through the table, gives finite results equal to the clean ones
+when NaN and ±inf sit under the mask, and exact zeros there.
 """
 
 import math
@@ -203,3 +211,205 @@ def test_rloo_matches_leave_one_out_loop():
     for i, k in enumerate([4, 3, 4, 1, 3, 4, 3, 1, 4]):
         if k > 1:
             assert adv[i, 0].item() == pytest.approx(k / (k - 1) * grpo[i, 0].item(), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# REINFORCE++, REINFORCE++-baseline, ReMax, GRPO pass@k: float64 loops written from verl's formulas
+# ---------------------------------------------------------------------------------------------
+
+IDS = ["a", "b", "a", "c", "b", "a", "b", "c", "a"]  # a:4, b:3, c:2
+
+
+def outcome_inputs(holes=False):
+    """Dense random rewards on the real tokens, 0 under the mask (as the reward and the KL
+    penalty leave them); right padding, plus holes in the middle when asked."""
+    B, T = 9, 7
+    mask = right_padded_mask([7, 2, 4, 5, 1, 3, 7, 6, 2], T)
+    if holes:
+        mask[0, 2] = mask[0, 3] = mask[3, 1] = mask[6, 5] = 0.0
+    rewards = torch.randn(B, T, dtype=torch.float64) * mask
+    return rewards, mask
+
+
+def verl_reinforce_pp_loop(rewards, mask, gamma):
+    """verl's REINFORCE++ returns: G = r_t + γ G from the right, stored, then reset to 0 after a
+    masked position."""
+    out = []
+    for r, m in zip(rewards, mask):
+        row, running = [0.0] * len(r), 0.0
+        for t in reversed(range(len(r))):
+            running = r[t] + gamma * running
+            row[t] = running
+            if m[t] == 0:
+                running = 0.0
+        out.append(row)
+    return np.array(out)
+
+
+def chained_returns_loop(rewards, mask, gamma):
+    """Returns-to-go over each row's real tokens only (masked positions skipped), 0 under the mask."""
+    out = np.zeros((len(rewards), len(rewards[0])))
+    for i, (r, m) in enumerate(zip(rewards, mask)):
+        real = [t for t in range(len(r)) if m[t] > 0]
+        for k, t in enumerate(real):
+            out[i][t] = math.fsum(gamma ** j * r[u] for j, u in enumerate(real[k:]))
+    return out
+
+
+def whitened_masked(x, mask):
+    m = np.array(mask)
+    return np.where(m > 0, np_whiten(np.array(x), m), 0.0)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_matches_verl_loop_on_right_padding(gamma):
+    from nanokl.advantages import compute_reinforce_plus_plus_outcome_advantage
+    rewards, mask = outcome_inputs()
+    rewards = rewards + torch.randn_like(rewards) * (1 - mask)  # finite junk under the mask: verl's reset drops it
+    adv, ret = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma)
+    want_ret = verl_reinforce_pp_loop(rewards.tolist(), mask.tolist(), gamma)
+    real = mask > 0
+    torch.testing.assert_close(ret[real], torch.from_numpy(want_ret)[real], rtol=1e-12, atol=1e-12)
+    assert torch.equal(ret[~real], torch.zeros_like(ret[~real]))
+    torch.testing.assert_close(adv, torch.from_numpy(whitened_masked(want_ret, mask.tolist())),
+                               rtol=1e-10, atol=1e-10)
+
+
+def test_reinforce_plus_plus_chains_returns_around_holes_where_verl_cuts_them():
+    from nanokl.advantages import compute_reinforce_plus_plus_outcome_advantage
+    rewards, mask = outcome_inputs(holes=True)
+    adv, ret = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, 0.9)
+    want = chained_returns_loop(rewards.tolist(), mask.tolist(), 0.9)
+    torch.testing.assert_close(ret, torch.from_numpy(want), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv, torch.from_numpy(whitened_masked(want, mask.tolist())), rtol=1e-10, atol=1e-10)
+    # verl's loop resets at a hole: row 0's first two tokens would not see the rewards after it
+    verl = verl_reinforce_pp_loop(rewards.tolist(), mask.tolist(), 0.9)
+    assert abs(verl[0][0] - want[0][0]) > 1e-3 and verl[0][4] == pytest.approx(want[0][4], rel=1e-12)
+
+
+def test_reinforce_plus_plus_baseline_matches_verl_loop():
+    from nanokl.advantages import compute_reinforce_plus_plus_baseline_outcome_advantage
+    rewards, mask = outcome_inputs(holes=True)
+    ids = IDS[:-2] + ["d", "e"]  # two lone responses keep their score (verl's mean 0)
+    adv, ret = compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, ids)
+    scores = [math.fsum(r) for r in rewards.tolist()]
+    groups = {}
+    for s, k in zip(scores, ids):
+        groups.setdefault(k, []).append(s)
+    centred = [s - (sum(groups[k]) / len(groups[k]) if len(groups[k]) > 1 else 0.0) for s, k in zip(scores, ids)]
+    tiled = [[c * m for m in row] for c, row in zip(centred, mask.tolist())]
+    torch.testing.assert_close(adv, torch.from_numpy(whitened_masked(tiled, mask.tolist())), rtol=1e-10, atol=1e-10)
+    assert torch.equal(adv, ret)
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_whitens_over_all_ranks(name):
+    """Two simulated ranks (whole groups on each) with summed moments give the whole batch's result."""
+    from types import SimpleNamespace
+
+    from nanokl.advantages import ESTIMATORS
+    rewards, mask = outcome_inputs(holes=True)
+    ids = ["a", "a", "b", "b", "c", "c", "c", "d", "d"]
+    alg, fn = SimpleNamespace(gamma=0.95), ESTIMATORS[name].fn
+    whole = fn(rewards, mask, None, ids, alg, None)
+    shards, recorded = [slice(0, 4), slice(4, 9)], []
+    for s in shards:
+        fn(rewards[s], mask[s], None, ids[s], alg, lambda st: recorded.append(st) or st)
+    total = tuple(a + b for a, b in zip(*recorded))
+    outs = [fn(rewards[s], mask[s], None, ids[s], alg, lambda st: total) for s in shards]
+    for j in (0, 1):
+        torch.testing.assert_close(torch.cat([o[j] for o in outs]), whole[j], rtol=1e-12, atol=1e-12)
+
+
+def test_remax_matches_returns_minus_greedy_baseline_loop():
+    from types import SimpleNamespace
+
+    from nanokl.advantages import ESTIMATORS, compute_remax_outcome_advantage
+    rewards, mask = outcome_inputs(holes=True)
+    baselines = torch.randn(len(rewards), dtype=torch.float64)
+    adv, ret = compute_remax_outcome_advantage(rewards, mask, baselines)
+    want_ret = chained_returns_loop(rewards.tolist(), mask.tolist(), 1.0)  # verl: no discount
+    want_adv = [[(g - b) if m else 0.0 for g, m in zip(row, mrow)]
+                for row, mrow, b in zip(want_ret, mask.tolist(), baselines.tolist())]
+    torch.testing.assert_close(ret, torch.from_numpy(want_ret), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv, torch.tensor(want_adv, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    # through the table: the step passes the greedy scores as `baselines`; without them it refuses
+    est = ESTIMATORS["remax"]
+    assert est.needs_greedy_baseline and not est.needs_critic and not est.grouped
+    got = est.fn(rewards, mask, None, IDS, SimpleNamespace(gamma=0.5), None, baselines=baselines.tolist())
+    assert torch.equal(got[0], adv) and torch.equal(got[1], ret)
+    with pytest.raises(ValueError, match="greedy"):
+        est.fn(rewards, mask, None, IDS, SimpleNamespace(), None)
+    with pytest.raises(ValueError, match="one baseline per response"):
+        compute_remax_outcome_advantage(rewards, mask, baselines[:-1])
+
+
+def passk_loop(scores, ids, norm, eps):
+    """Per group: the first highest score gets (max − second max), ÷ (sample std + eps) if norm."""
+    out = [0.0] * len(scores)
+    for g in dict.fromkeys(ids):
+        rows = [i for i, k in enumerate(ids) if k == g]
+        vals = [scores[i] for i in rows]
+        order = sorted(range(len(vals)), key=lambda j: -vals[j])
+        gap = vals[order[0]] - vals[order[1]]
+        mean = sum(vals) / len(vals)
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+        out[rows[order[0]]] = gap / (std + eps) if norm else gap
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_matches_verl_loop(norm):
+    from types import SimpleNamespace
+
+    from nanokl.advantages import ESTIMATORS, compute_grpo_passk_outcome_advantage
+    rewards, mask = outcome_inputs(holes=True)
+    adv, ret = compute_grpo_passk_outcome_advantage(rewards, mask, IDS, norm_adv_by_std=norm, eps=1e-6)
+    want = passk_loop([math.fsum(r) for r in rewards.tolist()], IDS, norm, 1e-6)
+    torch.testing.assert_close(adv, torch.tensor(want, dtype=torch.float64)[:, None] * mask, rtol=1e-12, atol=1e-12)
+    assert torch.equal(adv, ret) and (adv.abs().sum(-1) > 0).sum() == 3  # one response per group moves
+    est = ESTIMATORS["grpo_passk"]
+    assert est.grouped and not est.needs_critic
+    assert torch.equal(est.fn(rewards, mask, None, IDS, SimpleNamespace(norm_adv_by_std_in_grpo=norm), None)[0], adv)
+
+
+def test_grpo_passk_tied_best_and_lone_response():
+    from nanokl.advantages import compute_grpo_passk_outcome_advantage
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [0.0], [1.0]])  # group 0: two correct of three
+    adv, _ = compute_grpo_passk_outcome_advantage(rewards, torch.ones(5, 1), [0, 0, 0, 1, 1])
+    assert adv[:3].abs().sum() == 0  # the best is tied: nobody moves
+    assert adv[4, 0].item() == pytest.approx(1 / (math.sqrt(0.5) + 1e-6)) and adv[3, 0] == 0
+    with pytest.raises(ValueError, match="at least 2"):
+        compute_grpo_passk_outcome_advantage(rewards, torch.ones(5, 1), [0, 0, 0, 1, 2])
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                  "remax", "grpo_passk"])
+def test_outcome_estimators_ignore_nan_and_inf_under_the_mask(name):
+    """NaN, +inf and −inf under the mask: finite results, equal to those of a clean batch, and 0 there."""
+    from types import SimpleNamespace
+
+    from nanokl.advantages import ESTIMATORS
+    rewards, mask = outcome_inputs(holes=True)
+    poison = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64)
+    masked = (mask == 0).nonzero()
+    dirty = rewards.clone()
+    dirty[masked[:, 0], masked[:, 1]] = poison[torch.arange(len(masked)) % 3]
+    alg = SimpleNamespace(gamma=0.9, norm_adv_by_std_in_grpo=True)
+    baselines = torch.randn(len(rewards), dtype=torch.float64)
+    fn = ESTIMATORS[name].fn
+    clean = fn(rewards, mask, None, IDS, alg, None, baselines=baselines)
+    got = fn(dirty, mask, None, IDS, alg, None, baselines=baselines)
+    for c, g in zip(clean, got):
+        assert torch.isfinite(g).all()
+        assert torch.equal(g, c)
+        assert torch.equal(g[mask == 0], torch.zeros_like(g[mask == 0]))
+
+
+def test_estimator_table_lists_verl_names():
+    from nanokl.advantages import ESTIMATORS
+    assert list(ESTIMATORS) == ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                "remax", "grpo_passk"]
+    assert [n for n, e in ESTIMATORS.items() if e.needs_greedy_baseline] == ["remax"]
+    assert [n for n, e in ESTIMATORS.items() if e.grouped] == ["grpo", "rloo", "reinforce_plus_plus_baseline",
+                                                              "grpo_passk"]

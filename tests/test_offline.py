@@ -12,6 +12,14 @@ SNIS k1 estimate matches the exact KL(π‖π_ref) within 4 delta-method standar
 truncation, and the closed-form truncated limit with it (which lies > 10 SE below the KL), while
 the plain mean under μ is far off. weighted_kl with weights of 1 equals the online per-response
 mean; the IS metrics equal a python loop, and sums of two shards give the metrics of the whole.
+
+Sequences (verl's rollout_is=sequence and rollout_rs at b178a3c): the sequence weights equal a
+float64 loop of min(exp(clamp(Σ_t (log π_old − log μ), ±20)), C) on each real token; μ = π_old
+gives exactly PPO. rejection_mask equals a loop of every option (k1 = −log r, k2 = ½ log² r,
+k3 = r − 1 − log r at token, seq sum, seq mean and seq max level, k1 in a [log lower, log upper]
+band, k2/k3 below an upper bound) with thresholds placed between observed values so each option
+rejects some and keeps some, alone and chained; the threshold specs parse as verl's; the RS metrics
+equal a loop and add across shards. NaN/±inf under the mask change no weight, mask or metric.
 """
 
 import math
@@ -21,14 +29,22 @@ import torch
 
 from nanokl.masked import masked_mean
 from nanokl.offline import (
+    IS_LEVELS,
+    RS_OPTIONS,
     is_metrics,
     is_metrics_from_sums,
     is_sums,
+    rejection_mask,
+    rs_metrics_from_sums,
+    rs_sums,
+    rs_thresholds,
+    sequence_is_weights,
     truncated_is_weights,
     weighted_kl,
     weighted_kl_sums,
 )
 from nanokl.ppo import LOSS_AGG_MODES, compute_policy_loss
+from poison import POISONS, poisoned
 
 EPS_LOW, EPS_HIGH, CLIP_C, THRESHOLD = 0.2, 0.28, 3.0, 2.0
 
@@ -239,3 +255,187 @@ def test_is_metrics_equal_a_loop_and_add_across_shards():
     assert all(whole[k].item() == pytest.approx(m[k].item(), rel=1e-12) for k in m)
     empty = is_metrics(w, torch.zeros_like(mask), THRESHOLD)
     assert all(v.item() == 0.0 for v in empty.values())
+
+
+# ---- sequence-level weights and rejection sampling (verl's rollout_is=sequence, rollout_rs) ------
+
+def loop_seq_weight(old_row, mu_row, mask_row, threshold):
+    total = sum(o - m for o, m, k in zip(old_row, mu_row, mask_row) if k)
+    return min(math.exp(min(max(total, -20.0), 20.0)), threshold)
+
+
+def test_sequence_weights_equal_a_float64_loop():
+    old, _, mu, _, mask = batch(r=5)  # short rows, so some products stay under the cap
+    mu[1, :] = old[1, :] + 30.0  # a huge negative log-ratio sum: clamped at −20, not underflowed
+    w = sequence_is_weights(old.requires_grad_(True), mu, mask, THRESHOLD)
+    assert not w.requires_grad and IS_LEVELS["sequence"] is sequence_is_weights
+    assert IS_LEVELS["token"] is truncated_is_weights
+    capped = 0
+    for i in range(mask.shape[0]):
+        want = loop_seq_weight(old[i].tolist(), mu[i].tolist(), mask[i].tolist(), THRESHOLD)
+        capped += want == THRESHOLD and bool(mask[i].any())
+        for t in range(mask.shape[1]):
+            assert w[i, t].item() == pytest.approx(want if mask[i, t] else 0.0, rel=1e-12, abs=0)
+    assert 0 < capped < int(mask.any(-1).sum())
+    assert mask[1].any() and w[1][mask[1]].eq(math.exp(-20.0)).all()
+    with pytest.raises(ValueError, match="threshold"):
+        sequence_is_weights(old, mu, mask, 0.5)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_sequence_weights_with_mu_equal_old_are_exactly_ppo(mode):
+    old, new, _, adv, mask = batch(dtype=torch.float32, seed=1)
+    w = sequence_is_weights(old, old.clone(), mask, THRESHOLD)
+    assert torch.equal(w, mask.float())
+    a = compute_policy_loss(old, new, adv, mask, EPS_LOW, EPS_HIGH, CLIP_C, mode)[0]
+    b = compute_policy_loss(old, new, adv, mask, EPS_LOW, EPS_HIGH, CLIP_C, mode, is_weights=w)[0]
+    assert torch.equal(a, b)
+
+
+def rs_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, r = 12, 8
+    old = -torch.rand(n, r, generator=g, dtype=torch.float64) * 3
+    mu = old + torch.randn(n, r, generator=g, dtype=torch.float64) * 0.5
+    mask = torch.rand(n, r, generator=g) < 0.85
+    mask[3] = False  # an empty response
+    mask[0] = True
+    return old, mu, mask
+
+
+def loop_stats(old, mu, mask, option):
+    """(per-unit statistic, the units): tokens (i, t) for token_*, rows i for seq_* (empty rows too)."""
+    level, est = option.rsplit("_", 1)
+
+    def k(o, m):
+        lr = min(max(o - m, -20.0), 20.0)
+        return {"k1": -lr, "k2": 0.5 * lr * lr, "k3": math.exp(lr) - 1 - lr}[est]
+    n, r = mask.shape
+    if level == "token":
+        return {(i, t): k(old[i, t].item(), mu[i, t].item()) for i in range(n) for t in range(r) if mask[i, t]}
+    stats = {}
+    for i in range(n):
+        vals = [k(old[i, t].item(), mu[i, t].item()) for t in range(r) if mask[i, t]]
+        if level == "seq_sum":
+            stats[i] = sum(vals)
+        elif level == "seq_mean":
+            stats[i] = sum(vals) / len(vals) if vals else 0.0
+        else:
+            stats[i] = max(vals) if vals else 0.0
+    return stats
+
+
+def between(sorted_vals, q):
+    """A threshold halfway between two neighbouring observed values near quantile q (no ties at it)."""
+    j = max(1, min(len(sorted_vals) - 1, int(q * len(sorted_vals))))
+    return 0.5 * (sorted_vals[j - 1] + sorted_vals[j])
+
+
+def spec_for(option, stats):
+    vals = sorted(set(stats.values()))
+    if option.endswith("k1"):  # a band in log space: lower_upper as ratios
+        return f"{math.exp(between(vals, 0.2))!r}_{math.exp(between(vals, 0.8))!r}"
+    return repr(between(vals, 0.6))
+
+
+def loop_keep(old, mu, mask, specs):
+    """A token survives iff it is real and passes every option (sequence options judge its row)."""
+    n, r = mask.shape
+    keep = [[bool(mask[i, t]) for t in range(r)] for i in range(n)]
+    for option, spec in specs.items():
+        stats = loop_stats(old, mu, mask, option)
+        if option.endswith("k1"):
+            lo, hi = (float(x) for x in spec.split("_")) if "_" in spec else (1 / float(spec), float(spec))
+            ok = {u: math.log(lo) <= v <= math.log(hi) for u, v in stats.items()}
+        else:
+            ok = {u: v <= float(spec) for u, v in stats.items()}
+        for i in range(n):
+            for t in range(r):
+                unit = (i, t) if option.startswith("token") else i
+                keep[i][t] = keep[i][t] and ok[unit]
+    return keep
+
+
+@pytest.mark.parametrize("option", RS_OPTIONS)
+def test_each_rejection_option_equals_a_float64_loop(option):
+    old, mu, mask = rs_batch()
+    spec = spec_for(option, loop_stats(old, mu, mask, option))
+    got = rejection_mask(old, mu, mask.long(), option, spec)
+    want = loop_keep(old, mu, mask, {option: spec})
+    assert got.dtype == torch.long and got.tolist() == [[int(x) for x in row] for row in want]
+    rejected = mask & (got == 0)
+    assert 0 < int(rejected.sum()) < int(mask.sum())  # the threshold bites, and not everywhere
+    if option.startswith("seq"):  # a sequence option keeps or drops whole rows
+        for i in range(mask.shape[0]):
+            assert len({int(got[i, t]) for t in range(mask.shape[1]) if mask[i, t]}) <= 1
+
+
+def test_k1_with_one_number_is_the_band_from_its_reciprocal_and_options_chain():
+    old, mu, mask = rs_batch(seed=1)
+    one = rejection_mask(old, mu, mask, "token_k1", 1.4)
+    assert torch.equal(one, rejection_mask(old, mu, mask, "token_k1", f"{1 / 1.4!r}_1.4"))
+    assert one.dtype == torch.bool
+    specs = {"seq_mean_k1": "0.85_1.2", "token_k2": "0.3", "seq_max_k3": "0.5"}
+    got = rejection_mask(old, mu, mask.float(), "seq_mean_k1, token_k2,seq_max_k3,token_k2", "0.85_1.2,0.3,0.5")
+    assert got.tolist() == [[float(x) for x in row] for row in loop_keep(old, mu, mask, specs)]
+    shared = rejection_mask(old, mu, mask, "token_k2,seq_max_k2", "0.2")  # one spec for every option
+    assert shared.tolist() == loop_keep(old, mu, mask, {"token_k2": "0.2", "seq_max_k2": "0.2"})
+    # μ = π_old: every statistic is 0, inside any band that holds ratio 1
+    assert torch.equal(rejection_mask(old, old.clone(), mask, ",".join(RS_OPTIONS), "2.0"), mask)
+
+
+@pytest.mark.parametrize("rs,spec", [
+    ("token_k4", "2"), ("", "2"), (None, "2"), ("token_k2", "0.5_2"), ("token_k2,token_k3", "1,2,3"),
+    ("token_k1", None), ("token_k1", "0_2"), ("token_k2", "-1"), ("token_k1", "abc"), ("seq_max_k1", "2"),
+])
+def test_bad_rejection_specs_are_refused(rs, spec):
+    with pytest.raises(ValueError, match="rollout_rs"):
+        rs_thresholds(rs, spec)
+
+
+def test_rs_thresholds_parse_as_verls():
+    assert rs_thresholds("token_k1,seq_sum_k3", "0.5_2.0,3") == {"token_k1": (0.5, 2.0), "seq_sum_k3": (None, 3.0)}
+    assert rs_thresholds("seq_mean_k1", 2.0) == {"seq_mean_k1": (0.5, 2.0)}
+    assert rs_thresholds("token_k2,token_k2", "0.1") == {"token_k2": (None, 0.1)}
+
+
+def test_rs_metrics_equal_a_loop_and_add_across_shards():
+    old, mu, mask = rs_batch(seed=2)
+    kept = rejection_mask(old, mu, mask, "token_k2,seq_sum_k1", "0.08,0.5_2.0")
+    real = [(i, t) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
+    rej = [(i, t) for i, t in real if not kept[i, t]]
+    m = rs_metrics_from_sums(rs_sums(kept, mask))
+    assert m["rs_masked_fraction"].item() == pytest.approx(len(rej) / len(real), rel=1e-12)
+    assert m["rs_seq_masked_fraction"].item() == pytest.approx(len({i for i, _ in rej}) / mask.shape[0], rel=1e-12)
+    assert 0 < m["rs_masked_fraction"].item() < 1
+    whole = rs_metrics_from_sums(rs_sums(kept[:5], mask[:5]) + rs_sums(kept[5:], mask[5:]))
+    assert all(whole[k].item() == pytest.approx(m[k].item(), rel=1e-12) for k in m)
+    empty = rs_metrics_from_sums(rs_sums(torch.zeros_like(mask), torch.zeros_like(mask)))
+    assert all(v.item() == 0.0 for v in empty.values())
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_sequence_weights_and_rejection_ignore_non_finite_masked_inputs(poison):
+    """NaN/±inf under the mask in π_old and μ: weights, kept masks and metrics equal those with
+    finite numbers there, and the loss weighted by them keeps a finite gradient."""
+    old, mu, mask = rs_batch(seed=3)
+    bad_old, bad_mu = poisoned(old, ~mask, poison), poisoned(mu, ~mask, poison, shift=1)
+    w, w_bad = sequence_is_weights(old, mu, mask, 3.0), sequence_is_weights(bad_old, bad_mu, mask, 3.0)
+    assert torch.equal(w, w_bad) and torch.isfinite(w_bad).all()
+    assert torch.equal(is_sums(w, mask, 3.0), is_sums(w_bad, mask, 3.0))
+    for option in RS_OPTIONS:
+        spec = spec_for(option, loop_stats(old, mu, mask, option))
+        a, b = rejection_mask(old, mu, mask, option, spec), rejection_mask(bad_old, bad_mu, mask, option, spec)
+        assert torch.equal(a, b) and torch.equal(rs_sums(a, mask), rs_sums(b, mask))
+    new = (old + 0.1).requires_grad_(True)
+    adv = torch.randn(old.shape, dtype=torch.float64)
+    loss, _ = compute_policy_loss(bad_old, new, adv, mask, EPS_LOW, EPS_HIGH, CLIP_C, is_weights=w_bad)
+    (g,) = torch.autograd.grad(loss, new)
+    assert torch.isfinite(g).all() and (g[~mask] == 0).all()
+
+
+def test_a_nan_at_a_real_token_is_rejected():
+    old, mu, mask = rs_batch(seed=4)
+    mu[0, 2] = float("nan")
+    assert not rejection_mask(old, mu, mask, "token_k2", "100")[0, 2]
+    assert not rejection_mask(old, mu, mask, "seq_mean_k3", "100")[0].any()

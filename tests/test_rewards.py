@@ -6,6 +6,8 @@
   under the mask (NaN/±inf there never leak into the rewards), and the controller's KL is the
   mean over responses of each response's per-token mean: checked in float64 for every estimator.
 - `mean_kl` with a `reduce` that adds two shards equals the mean over the whole batch.
+- `overlong_penalty` (DAPO) equals a float64 loop of verl's min(−(L − (L_max − len))/len · factor, 0)
+  at every length from 0 past the limit: 0 before the buffer, linear inside it, −factor at L_max.
 """
 
 import math
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from nanokl.kl import KL_KINDS
-from nanokl.rewards import apply_exact_kl_penalty, apply_kl_penalty, mean_kl, token_level_scores
+from nanokl.rewards import apply_exact_kl_penalty, apply_kl_penalty, mean_kl, overlong_penalty, token_level_scores
 from test_kl import naive_value  # each estimator written out in float64
 
 
@@ -95,3 +97,25 @@ def test_exact_penalty_takes_the_given_kl_and_a_reduce_adds_shards():
     both = mean_kl(kl0, mask, reduce=lambda s: s + sent[0])
     assert both == pytest.approx((sum(naive) + other[0].sum().item() / 3 + other[1, 0].item()) / 6, rel=1e-6)
     assert math.isnan(mean_kl(torch.zeros(0, 3), torch.zeros(0, 3)))
+
+
+@pytest.mark.parametrize("max_len,buffer_len,factor", [(20, 8, 1.0), (16, 16, 0.5), (4096, 512, 1.0), (10, 3, 2.5)])
+def test_overlong_penalty_matches_a_float64_loop(max_len, buffer_len, factor):
+    lengths = list(range(0, max_len + 3))  # from an empty response to past the limit
+    got = overlong_penalty(torch.tensor(lengths), max_len, buffer_len, factor)
+    assert got.dtype == torch.float64 and got.shape == (len(lengths),)
+    for L, p in zip(lengths, got.tolist()):
+        exceed = L - (max_len - buffer_len)
+        assert p == min(-exceed / buffer_len * factor, 0)  # the same float64 operations, in order
+        if L <= max_len - buffer_len:
+            assert p == 0.0
+        else:  # strictly negative inside the buffer, linear in L
+            assert p == pytest.approx(-factor * (L - max_len + buffer_len) / buffer_len, rel=1e-15)
+    assert got[max_len].item() == pytest.approx(-factor, rel=1e-15)
+    assert torch.equal(overlong_penalty(lengths, max_len, buffer_len, factor), got)  # a list works too
+
+
+@pytest.mark.parametrize("buffer_len", [0, -1, 21])
+def test_overlong_penalty_refuses_a_buffer_outside_the_length(buffer_len):
+    with pytest.raises(ValueError, match="overlong_buffer.len"):
+        overlong_penalty([5], 20, buffer_len, 1.0)
