@@ -63,7 +63,7 @@ def ppo_step(run, step) -> dict:
 
     # 2. score each response (the task's rule, or the reward model); the score sits on its last token
     with timer(metrics, "reward", device):
-        scores, seq_scores, rule_scores = score_batch(run.tok, out, examples, cfg, run.rm)
+        scores, seq_scores, rule_scores = score_batch(run.tok, out, examples, cfg, run.rm, global_step=step + 1)
 
     # 3. forwards: old log-probs + entropy, reference log-probs, values; importance weights min(pi_old/mu, C)
     batch["old_log_probs"], entropy = run.old_log_probs(run, batch, out, metrics)

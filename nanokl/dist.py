@@ -26,6 +26,34 @@ on a 1-device mesh, gathered through NCCL, computed in bf16 by the policy) and o
 the code that eight run. Collectives that only combine ranks' values (`all_reduce`, `barrier`)
 are skipped when there is one rank: their result would be their input.
 
+CPU offload (verl's `fsdp_config.param_offload` / `optimizer_offload`; fsdp2 only, since it moves
+shards: with `none` / `ddp` the keys are a one-line note and do nothing). A GPU holds, per
+parameter, 4/W bytes of fp32 master shard, 4/W of gradient shard and 8/W of Adam moments; the
+rest of its memory goes to activations, the gathered layer in flight, the rollout copy and its KV
+cache. Offloading trades that memory for PCIe traffic and CPU time:
+
+- `param_offload` -> FSDP2's `CPUOffloadPolicy` on every `fully_shard`: the sharded masters, their
+  gradients and therefore the optimizer state live in (pinned) host memory, so all 16/W bytes
+  leave the GPU. Each all-gather first copies the layer's shard to the GPU (4/W bytes/param per
+  gather: forward, backward, every no-grad forward), each reduce-scatter copies the gradient shard
+  back, and `optimizer.step()` runs on the CPU over 1/W of the parameters: the slow part (seconds
+  per step for billions of parameters). Because the step runs where the parameters are, the
+  optimizer state is on CPU whether or not `optimizer_offload` is set (a note says so).
+  Collectives on CPU shards (the gradient norm's all-reduce) need gloo beside NCCL, so an
+  offloaded model's mesh gets a `cpu:gloo,cuda:nccl` group. This is verl's
+  `fsdp_config.offload_policy`; verl's own `param_offload` instead moves the shards to the GPU for
+  each phase and back after it (the step then runs on the GPU): less PCIe per forward, but the
+  shards do occupy the GPU during every phase.
+- `optimizer_offload` alone -> verl's meaning: Adam's moments (8/W bytes/param) wait in host memory
+  between optimizer steps; a step copies them to the GPU, steps there and copies them back
+  (`offload_optimizer`: step pre/post hooks). 16/W bytes/param cross PCIe per step; the peak
+  (rollout, forward, backward) no longer holds them. verl moves them once per update phase;
+  nanokl per step, which needs nothing from the update loop.
+- `ref.fsdp_config.param_offload`: the frozen reference's fp32 shards (4/W bytes/param) in host
+  memory, copied in for each of its forwards (verl offloads an FSDP2 reference whatever the key says).
+
+The rollout copy (below) stays on the GPU either way: decoding reads all of it for every token.
+
 Rollout needs the policy's whole weights on every rank, and a CUDA graph needs them at fixed
 addresses. nanokl's minimal version of verl's hybrid engine keeps one *rollout copy* of the policy
 per rank (bf16 on CUDA, fp32 on CPU) wherever the actor is sharded (`sharded`) or on CUDA; after
@@ -46,11 +74,13 @@ any world size. On resume only rank 0 reads them: `load_optimizer_state` and
 `load_full_state_dict` broadcast each tensor from rank 0, and each rank keeps its shard.
 
 How the tests check it (tests/test_dist.py, gloo processes on CPU): one PPO update with DDP and
-with FSDP2 over 2 processes gives the parameters of one process on the whole batch (<= 1e-5 fp32);
-FSDP2 under torchrun at world size 1 holds DTensors and gives them too; FSDP2 with a bf16 policy
-matches one process that computes in bf16 from fp32 masters; the rollout copy equals the weights
-after an update and after a no-grad forward; a checkpoint restored over 2 processes continues
-exactly like the uninterrupted run, and rank 1 never opens optim.pt or the weights.
+with FSDP2 over 2 processes gives the parameters of one process on the whole batch (<= 1e-5 fp32),
+with either offload too (the shards and optimizer state then on CPU, the policy on every FSDP2
+module, the step hooks on the optimizer); FSDP2 under torchrun at world size 1 holds DTensors and
+gives them too; FSDP2 with a bf16 policy matches one process that computes in bf16 from fp32
+masters; the rollout copy equals the weights after an update and after a no-grad forward; a
+checkpoint restored over 2 processes continues exactly like the uninterrupted run, and rank 1
+never opens optim.pt or the weights.
 """
 
 import contextlib
@@ -59,6 +89,7 @@ import os
 import re
 import sys
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -202,12 +233,43 @@ def broadcast_object(obj):
     return box[0]
 
 
-def wrap(model, strategy, device, trainable=True, param_dtype=None):
+def offload_setting(key, strategy, device, fsdp_config, trainable=True):
+    """What `{key}.fsdp_config.param_offload` / `.optimizer_offload` (verl's keys; a frozen model
+    has no optimizer state) do for one model, as (offload the shards with FSDP2's CPUOffloadPolicy,
+    offload only the optimizer state between steps); see the module docstring. Prints a one-line
+    note on rank 0 where they do less, or more, than they say (one line per model at most)."""
+    param_offload, optimizer_offload = fsdp_config.param_offload, trainable and fsdp_config.optimizer_offload
+    if not (param_offload or optimizer_offload):
+        return False, False
+    key = f"{key}.fsdp_config"
+    keys = " / ".join(f"{key}.{k}" for k, on in (("param_offload", param_offload),
+                                                  ("optimizer_offload", optimizer_offload)) if on)
+    if not sharded(strategy):
+        why = f"strategy={strategy}" if strategy != "fsdp2" else "fsdp2 without torchrun (unsharded)"
+        _note(f"{keys}: nothing to offload with {why}; CPU offload moves FSDP2 shards")
+        return False, False
+    said = ["the optimizer state lives on CPU too (FSDP2 steps the optimizer where the shards are)"] \
+        if param_offload and trainable and not optimizer_offload else []
+    if device.type == "cpu":
+        said.append("on CPU everything already lives in host memory: nothing moves")
+    if said:
+        _note(f"{keys}: {'; '.join(said)}")
+    return bool(param_offload), bool(optimizer_offload and not param_offload)
+
+
+def _note(message):
+    if rank() == 0:
+        print(f"note: {message}", file=sys.stderr)
+
+
+def wrap(model, strategy, device, trainable=True, param_dtype=None, offload=False):
     """The model as its strategy runs it: itself, a DDP replica, or FSDP2-sharded.
 
     Under torchrun the strategy applies at every world size (see the module docstring); without
     a process group the model is returned as is. `param_dtype` is FSDP2's compute dtype (default:
     bf16 on CUDA, fp32 on CPU); gradients are reduced in fp32 and the sharded masters stay fp32.
+    `offload` (fsdp2 only): the shards, their gradients and the optimizer step on CPU
+    (`CPUOffloadPolicy`, pinned memory on CUDA; see the module docstring).
 
     Build the optimizer right after wrapping, before any forward: between a no-grad forward and
     the next backward FSDP2 registers the root's *unsharded* parameters on the module, and an
@@ -219,15 +281,18 @@ def wrap(model, strategy, device, trainable=True, param_dtype=None):
             return model  # a frozen replica needs no gradient synchronisation
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device.type, (world(),))
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    # offloaded shards are CPU tensors on a CUDA mesh: their collectives (the gradient norm) need gloo
+    cpu_collectives = {0: "cpu:gloo,cuda:nccl"} if offload and device.type == "cuda" else None
+    mesh = init_device_mesh(device.type, (world(),), backend_override=cpu_collectives)
     param_dtype = param_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     # fp32 compute needs no policy (no casts): the same numbers as before the option existed
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype != torch.float32 else MixedPrecisionPolicy()
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     for layer in unwrap(model).model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     return model
 
 
@@ -258,7 +323,11 @@ def full_tensors(model):
     """(name, full tensor) of every parameter, all-gathering FSDP2 shards one at a time."""
     reshard(model)
     for name, p in unwrap(model).named_parameters():
-        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p)
+        if hasattr(p, "full_tensor"):
+            if p.device.type != p.device_mesh.device_type:  # an offloaded shard: gather it on the GPU
+                p = p.detach().to(p.device_mesh.device_type)
+            p = p.full_tensor()
+        yield name, p
 
 
 @torch.no_grad()
@@ -304,6 +373,33 @@ def load_optimizer_state(model, opt, state):
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     reshard(model)
     set_optimizer_state_dict(unwrap(model), opt, state, options=_options(broadcast_from_rank0=active()))
+    if opt in _STATE_ON_CPU:
+        _move_state(opt, home=False)  # load_state_dict put it beside the parameters
+
+
+_STATE_ON_CPU = weakref.WeakSet()  # optimizers whose state waits in host memory between steps
+
+
+def offload_optimizer(opt):
+    """verl's `optimizer_offload` without `param_offload`: `opt`'s state (Adam's moments) lives in
+    host memory between steps; each step copies it to the parameters' device first and back to
+    the CPU after (step pre/post hooks, so the update loop needs no change). Returns `opt`."""
+    _STATE_ON_CPU.add(opt)
+    opt.register_step_pre_hook(lambda o, args, kwargs: _move_state(o, home=True))
+    opt.register_step_post_hook(lambda o, args, kwargs: _move_state(o, home=False))
+    return opt
+
+
+@torch.no_grad()
+def _move_state(opt, home):
+    """Every state tensor of `opt` to its parameter's device (home) or to the CPU. 0-dim ones
+    (Adam's step count) stay where torch keeps them."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    state[k] = v.to(p.device if home else torch.device("cpu"))
 
 
 def global_stats(values, mask=None):

@@ -34,6 +34,23 @@ kept: the engine of a model (`GraphEngine`, one per model, found by `generate`) 
   (Exactly, when the batch fills its bucket. A smaller batch draws noise for the whole bucket
   every step, so its tokens are a different draw from the same distribution as eager decoding's.)
 
+Memory. The engine's buffers are the rollout's largest allocation after the weights: per row and
+slot, every layer keeps a key and a value vector per KV head,
+
+    KV cache bytes = layers x 2 x kv_heads x head_dim x slots x rows x bytes per element
+
+(Qwen2.5-0.5B in bf16: 24 x 2 x 2 x 64 x 2 = 12 KiB per row-slot, so 256 rows x 1536 slots hold
+4.5 GiB), plus 13 bytes per row-slot for the valid mask and the decode outputs. vLLM bounds its
+weights, activations and KV cache by `gpu_memory_utilization` x the device's memory. nanokl's
+rollout weights are already allocated when the engine is sized, and the trainer's models share the
+device, so `make_engine(..., memory_fraction=f)` checks that the buffers fit in f x total memory
+minus what is in use on the device (`torch.cuda.mem_get_info`, after the caching allocator returns
+its free blocks): once they exist the device is at most f full, and the rest is for the gradients,
+Adam's moments (created at the first optimizer step) and the activations. Buffers that do not fit
+are refused (`KVBudgetError`), not capped: the training rollout generates all of a rank's rows in
+one call, so a smaller engine would be rebuilt at full size by the first step (below). Only the
+sizing is checked, not a rebuild.
+
 A call that does not fit (more rows or more slots than sized, or weights moved to new storage by
 `model.to()` / a new module: their old addresses are what the graphs read) *rebuilds* the engine:
 new buffers, every graph dropped and captured again on use, `rebuilds` counted. Rebuilding rather
@@ -53,9 +70,10 @@ that records the step's aten ops at capture and re-executes them on replay.
 Tests: tests/test_rollout_graphs.py (on CPU, with the recording stand-in: captures once per bucket
 over a simulated PPO run with new seeds each step; seeds honoured; replay equals eager, across
 spans too; the step never syncs with the host and writes only into the engine's buffers; a CPU
-train_ppo run sizes the engine once) and tests/test_rollout_cuda.py (on a GPU: replay equals eager
-in fp32, and in bf16 the graph's tokens agree with a teacher-forced forward; a weight update is
-seen by the replayed graph; moved weights are captured again).
+train_ppo run sizes the engine once; the memory check against a patched `device_memory`, and
+the bytes against a hand computation and the allocated tensors) and tests/test_rollout_cuda.py (on
+a GPU: replay equals eager in fp32, and in bf16 the graph's tokens agree with a teacher-forced
+forward; a weight update is seen by the replayed graph; moved weights are captured again).
 """
 
 import weakref
@@ -124,14 +142,55 @@ _ENGINES = weakref.WeakKeyDictionary()  # model -> its GraphEngine, dropped with
 SLOT_SPAN = 256  # a decode graph attends over the first multiple of this many slots that holds the filled ones
 
 
-def make_engine(model, max_batch, max_len):
+def make_engine(model, max_batch, max_len, memory_fraction=None, key="memory_fraction"):
     """Size `model`'s graph engine for calls of at most `max_batch` rows (prompts x n) and
     `max_len` slots (prompt + response), replacing any engine it had. Returns it, or None on a
-    device without graphs (CPU decodes eagerly and needs none)."""
-    if next(model.parameters()).device.type != graph_api.device_type:
+    device without graphs (CPU decodes eagerly and needs none). With `memory_fraction`, first
+    checks the buffers against that share of the device's memory (the module docstring's
+    "Memory"), raising KVBudgetError, whose message names `key`, when they do not fit."""
+    p = next(model.parameters())
+    if p.device.type != graph_api.device_type:
         return None
+    memory = device_memory(p.device) if memory_fraction is not None else None
+    if memory is not None:
+        rows = batch_buckets(max(max_batch, 1))[-1]  # the engine allocates its top bucket
+        free, total = memory
+        budget, need = memory_fraction * total - (total - free), engine_bytes(model.config, rows, max_len, p.dtype)
+        if need > budget:
+            raise KVBudgetError(
+                f"{key}={memory_fraction} leaves {_gib(max(budget, 0))} for the rollout's KV cache "
+                f"({memory_fraction:.0%} of {_gib(total)} minus {_gib(total - free)} in use), but {rows} rows x "
+                f"{max_len} slots need {_gib(need)}: raise it, or size the rollout for fewer rows or slots")
     _ENGINES[model] = GraphEngine(model, max_batch, max_len)
     return _ENGINES[model]
+
+
+class KVBudgetError(ValueError):
+    """The graph engine's buffers do not fit in the memory share they were given."""
+
+
+def kv_cache_bytes(cfg, rows, slots, dtype):
+    """layers x 2 (K and V) x kv_heads x head_dim x slots x rows x bytes per element."""
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * slots * rows * dtype.itemsize
+
+
+def engine_bytes(cfg, rows, slots, dtype):
+    """What an engine of `rows` x `slots` allocates: the KV cache, its valid mask (bool) and the
+    decode state's output columns (a long token and a float log-prob); a few bytes per row besides."""
+    return kv_cache_bytes(cfg, rows, slots, dtype) + rows * slots * (1 + 8 + 4)
+
+
+def device_memory(device):
+    """(free, total) bytes of a CUDA device once the caching allocator has returned its unused
+    blocks, so that "in use" counts live tensors (and other processes); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
+def _gib(n):
+    return f"{n / 2**30:.2f} GiB"
 
 
 def engine_stats(model) -> dict:

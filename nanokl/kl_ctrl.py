@@ -34,10 +34,29 @@ zero and β would lose its sign; `update` refuses that rather than silently flip
 Two coefficients, one kind of object
 ------------------------------------
 The same classes hold both KL weights of a run: β in the reward (algorithm.kl_ctrl: fixed or
-adaptive) and the weight of the KL *loss* (actor.kl_loss_coef, a FixedKLController). Each is
+adaptive) and the weight of the KL *loss* (actor.kl_loss_coef; `make_kl_loss_controller`). Each is
 state, not configuration: the KL monitor's rollback raises both (nanokl/harness/run.py), and
 both are saved in every checkpoint with `state_dict()` and restored with `load_state_dict()`,
 so a resumed run continues with the coefficients it had, not the ones the config started from.
+
+The KL loss's coefficient may adapt too (beyond verl, which keeps kl_loss_coef fixed)
+-------------------------------------------------------------------------------------
+GRPO-style runs (algorithm.use_kl_in_reward false, actor.use_kl_loss true) pay their KL in the loss,
+so the reward controller has nothing to steer. `actor_rollout_ref.actor.kl_loss_ctrl` gives the
+loss's coefficient the same controller, its own section so that neither key changes meaning:
+
+    actor_rollout_ref.actor:
+      use_kl_loss: true
+      kl_loss_coef: 0.01          # the controller's starting value (> 0: the update is multiplicative)
+      kl_loss_ctrl: {type: adaptive, target_kl: 0.05, horizon: 2000}   # target_kl may be a schedule
+
+After each step that updated the actor, the trainer (harness/run.py, `end_step`) feeds the
+controller the step's KL loss itself: `actor/kl_loss`, the kl_loss_type estimate aggregated as
+loss_agg_mode says (with token-mean, the per-token mean; the update's mini-batches averaged, all
+ranks reduced), with n_steps = the step's responses, exactly the rule above with KL_t = that
+number; the next step's loss uses the new coefficient. A config whose adaptive controller has
+nothing to steer (algorithm.kl_ctrl adaptive with use_kl_in_reward false; kl_loss_ctrl adaptive
+with use_kl_loss false) loads, and says so once at start-up (config_rules.startup_notes).
 
 A target that changes: a schedule
 ---------------------------------
@@ -147,3 +166,12 @@ def make_kl_controller(kl_ctrl_cfg):
         return AdaptiveKLController(kl_ctrl_cfg.kl_coef, kl_ctrl_cfg.target_kl, kl_ctrl_cfg.horizon,
                                     getattr(kl_ctrl_cfg, "target_kl_interp", "step"))
     raise ValueError(f"unknown kl_ctrl.type {kind!r}; valid types are 'fixed', 'adaptive'")
+
+
+def make_kl_loss_controller(actor_cfg):
+    """The KL loss's coefficient (actor_rollout_ref.actor): kl_loss_coef fixed, or, with
+    kl_loss_ctrl.type adaptive, steered from kl_loss_coef toward kl_loss_ctrl.target_kl."""
+    c = actor_cfg.kl_loss_ctrl
+    if c.type == "fixed":
+        return FixedKLController(actor_cfg.kl_loss_coef)
+    return AdaptiveKLController(actor_cfg.kl_loss_coef, c.target_kl, c.horizon, c.target_kl_interp)

@@ -14,6 +14,12 @@ torchrun; in the one-process reference, every parameter is read through a cast
 (`torch.nn.utils.parametrize`), an implementation of the same arithmetic that shares no code
 with FSDP2: forward and backward in bf16, each gradient cast to fp32 before it is summed.
 
+`--offloads none,params,optimizer` runs the update once per offload mode (nanokl/dist.py): `params`
+wraps with FSDP2's CPUOffloadPolicy, `optimizer` keeps only the optimizer state on CPU between
+steps; each result records where the shards and the optimizer state live, whether every FSDP2
+module carries the policy (on a CPU-only box everything is on CPU anyway: the policy is what shows
+that the flag reached `fully_shard`) and the optimizer's step hooks.
+
 `--checks` adds, after the update: (a) the rollout copy synced right after the update and (b)
 synced again right after a no-grad forward (which leaves FSDP2's root gathered in bf16), both
 saved for the test; (c) a checkpoint written by nanokl.harness.run.save, a second update (the
@@ -93,7 +99,21 @@ def full_params(actor, critic):
     return params
 
 
-def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None):
+def offload_report(model, opt):
+    """Where the model's shards and the optimizer's state live, and what FSDP2 was told."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in dist.unwrap(model).modules() if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
+    return {"fsdp_groups": len(groups),
+            "policy": [isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups],
+            "offload_to_cpu": [fp.offload_to_cpu for g in groups for fp in g.fsdp_params],
+            "param_devices": sorted({str(p.device) for p in dist.unwrap(model).parameters()}),
+            "state_devices": sorted({str(v.device) for st in opt.state.values() for v in st.values()
+                                     if torch.is_tensor(v) and v.dim() > 0}),
+            "step_hooks": (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))}
+
+
+def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, offload="none"):
     rank, W, device = dist.init()
     dtype = getattr(torch, param_dtype)
     actor, critic, ref = tiny(M.CausalLM, 1), tiny(M.ValueModel, 2), tiny(M.CausalLM, 3)
@@ -108,8 +128,8 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None):
     def build(actor, critic):
         if strategy == "none" and dtype != torch.float32:
             compute_in(actor, dtype), compute_in(critic, dtype)
-        actor = dist.wrap(actor.train(), strategy, device, param_dtype=dtype)
-        critic = dist.wrap(critic.train(), strategy, device, param_dtype=dtype)
+        actor = dist.wrap(actor.train(), strategy, device, param_dtype=dtype, offload=offload == "params")
+        critic = dist.wrap(critic.train(), strategy, device, param_dtype=dtype, offload=offload == "params")
         # optimizers right after wrapping: between a no-grad forward and the next backward FSDP2
         # exposes the root's *unsharded* parameters, which an optimizer must never hold
         # eps 1e-6, not 1e-8: Adam's first steps move a parameter by lr * g / (|g| + eps), so a
@@ -118,6 +138,8 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None):
         a_opt = torch.optim.AdamW(actor.parameters(), lr=3e-3, eps=1e-6)
         c_opt = torch.optim.AdamW(critic.parameters(), lr=3e-3, eps=1e-6)
         scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (a_opt, c_opt)]
+        if offload == "optimizer":
+            dist.offload_optimizer(a_opt), dist.offload_optimizer(c_opt)
         return actor, critic, a_opt, c_opt, scheds
 
     actor, critic, a_opt, c_opt, scheds = build(actor, critic)
@@ -156,6 +178,8 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None):
     out = {"params": full_params(actor, critic), "init": init, "metrics": metrics, "world": W,
            "dtensor": [type(q).__name__ == "DTensor" for q in dist.unwrap(actor).parameters()],
            "mesh": p.device_mesh.size() if hasattr(p, "device_mesh") else None}
+    if strategy == "fsdp2":
+        out["offload"] = {"actor": offload_report(actor, a_opt), "critic": offload_report(critic, c_opt)}
     if checks:
         out.update(run_checks(rank, W, actor, critic, a_opt, c_opt, scheds, build, update, batch, spec, ckpt_dir))
     del actor, critic, a_opt, c_opt  # release the DDP/FSDP wrappers before leaving the group
@@ -221,6 +245,7 @@ def main():
     ap.add_argument("--spec", default="fixed", help="fixed: 2 responses per micro-batch; budget: packed, token budget")
     ap.add_argument("--param-dtypes", default="float32",
                     help="compute dtypes (FSDP2's MixedPrecisionPolicy), comma-separated: one update each")
+    ap.add_argument("--offloads", default="none", help="none, params, optimizer, comma-separated: one update each")
     ap.add_argument("--checks", action="store_true", help="rollout sync and checkpoint restore checks")
     ap.add_argument("--out", help="result file (rank 0 writes it)")
     ap.add_argument("--reference", help="directory: write every 1-process reference into it")
@@ -230,8 +255,9 @@ def main():
             torch.save(run("none", mode, "fixed", dtype), Path(args.reference) / f"{name}.pt")
         return
     # several dtypes share one launch: starting the processes costs more than the updates
-    out = {dtype: run(args.strategy, args.mode, args.spec, dtype, args.checks, Path(args.out).parent / f"ckpt_{dtype}")
-           for dtype in args.param_dtypes.split(",")}
+    out = {(dtype, off): run(args.strategy, args.mode, args.spec, dtype, args.checks,
+                             Path(args.out).parent / f"ckpt_{dtype}_{off}", off)
+           for dtype in args.param_dtypes.split(",") for off in args.offloads.split(",")}
     if dist.rank() == 0:
         torch.save(out, args.out)
     dist.destroy()

@@ -3,12 +3,13 @@ stateless batches, and prompts that round-trip the tokenizer. (Each task's own d
 
 import json
 import sys
+import types
 
 import pytest
 
 from nanokl.harness.config_io import UserError
-from nanokl.harness.data import (_permutation, batch_indices, build_prompts, filter_overlong, read_examples,
-                                 steps_per_epoch, verl_row_to_example)
+from nanokl.harness.data import (_permutation, batch_indices, build_prompts, drop_overlong, filter_overlong,
+                                 read_examples, steps_per_epoch, verl_row_to_example, write_rows)
 from nanokl.harness.tokenizer import train_tokenizer
 from nanokl.tasks.arith import ArithDifficulty, make_arith_task
 
@@ -70,9 +71,12 @@ VERL_ROWS = [
      "reward_model": {"style": "rule", "ground_truth": -5}},
     {"data_source": "openai/gsm8k", "prompt": "Q3 as a plain string", "reward_model": {"ground_truth": "1000"}},
 ]
+# the text fields for every template, the chat as given for the model's chat template, extra_info as given
 VERL_EXPECTED = [
-    {"prompt": "Q1", "ground_truth": "18", "data_source": "openai/gsm8k"},
-    {"prompt": "Q2", "ground_truth": "-5", "data_source": "arith", "system_prompt": "Be brief."},
+    {"prompt": "Q1", "ground_truth": "18", "data_source": "openai/gsm8k",
+     "messages": [{"role": "user", "content": "Q1"}], "extra_info": {"index": 0}},
+    {"prompt": "Q2", "ground_truth": "-5", "data_source": "arith", "system_prompt": "Be brief.",
+     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q2"}]},
     {"prompt": "Q3 as a plain string", "ground_truth": "1000", "data_source": "openai/gsm8k"},
 ]
 
@@ -94,7 +98,8 @@ def test_parquet_rows(tmp_path):
                  reward_model={"ground_truth": str(r["reward_model"]["ground_truth"])}) for r in VERL_ROWS]
     pq.write_table(pa.Table.from_pylist([{k: r[k] for k in ("data_source", "prompt", "reward_model")}
                                          for r in rows]), tmp_path / "v.parquet")
-    assert load_examples(tmp_path / "v.parquet") == VERL_EXPECTED
+    as_chat = [{**e, "messages": e.get("messages", [{"role": "user", "content": e["prompt"]}])} for e in VERL_EXPECTED]
+    assert load_examples(tmp_path / "v.parquet") == [{k: v for k, v in e.items() if k != "extra_info"} for e in as_chat]
     rows[1]["reward_model"] = None
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
     with pytest.raises(UserError, match=r"bad.parquet:row 1: missing field 'reward_model'"):  # null = absent
@@ -202,3 +207,28 @@ def test_filter_overlong_keeps_exactly_the_prompts_that_fit(tok):
     build_prompts(kept, tok, "plain", max_length=limit)  # fits: no error
     with pytest.raises(UserError, match=f"over data.max_prompt_length={limit}"):
         build_prompts(train, tok, "plain", max_length=limit)
+
+
+def test_drop_overlong_says_the_count_once_and_refuses_to_drop_everything(tok):
+    train, _ = make_arith_task(30, 0, seed=4)
+    lengths = [len(tok.encode_one(e["prompt"])) for e in train]
+    limit = sorted(lengths)[len(lengths) // 2]
+    data = types.SimpleNamespace(prompt_template="plain", max_prompt_length=limit)
+    said = []
+    kept = drop_overlong(train, tok, data, "training", said.append)
+    assert kept == [e for e, n in zip(train, lengths) if n <= limit]
+    assert said == [f"data.filter_overlong_prompts: dropped {len(train) - len(kept)} of {len(train)} training "
+                    f"prompts longer than {limit} tokens"]
+    data.max_prompt_length = min(lengths) - 1
+    with pytest.raises(UserError, match="dropped every validation prompt"):
+        drop_overlong(train, tok, data, "validation", said.append)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_write_rows_round_trips_verl_rows(tmp_path, suffix):
+    if suffix == "parquet":
+        pytest.importorskip("pyarrow")
+    # (one type per Parquet column: the ground truths as strings, as verl's preprocessing writes them)
+    rows = [dict(r, reward_model={**r["reward_model"], "ground_truth": str(r["reward_model"]["ground_truth"])})
+            for r in VERL_ROWS[:2]]
+    assert load_examples(write_rows(tmp_path / f"rows.{suffix}", rows)) == VERL_EXPECTED[:2]

@@ -9,6 +9,13 @@
   parameters are DTensors on a 1-rank mesh, and the update equals the unwrapped one.
 - FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over 2 processes against
   one process computing in bf16 from fp32 masters through casts (tests/dist_worker.py).
+- CPU offload (dist.wrap's CPUOffloadPolicy; dist.offload_optimizer's state between steps): the
+  FSDP2 update with either equals the one without (<= 1e-6) and the 1-process one, the shards and
+  the optimizer state sit on CPU, and - since on a CPU-only box everything does - every FSDP2
+  module's param group carries the CPUOffloadPolicy (absent without offload), so a flag that never
+  reached `fully_shard` fails; the optimizer-only mode has its step hooks. The rollout-sync and
+  checkpoint checks run offloaded too. What the fsdp_config keys do per strategy (the notes for
+  none / ddp / fsdp2 without torchrun) is checked in-process.
 - After the update and after a no-grad forward, the rollout copy holds the updated weights;
   a checkpoint restored by run._restore over 2 processes continues exactly like the
   uninterrupted run, and rank 1 never opens optim.pt or the weights (its loaders raise).
@@ -17,6 +24,7 @@
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,19 +71,22 @@ def max_diff(a, b, keys=None):
 BF16_TOL = 1e-3
 
 
-@pytest.mark.parametrize("strategy,spec,mode,nproc,dtypes,checks", [
-    ("ddp", "fixed", "token-mean", 2, "float32", True),
-    ("fsdp2", "fixed", "token-mean", 2, "float32,bfloat16", True),
-    ("ddp", "budget", "seq-mean-token-mean", 2, "float32", False),
-    ("fsdp2", "budget", "seq-mean-token-mean", 2, "float32", False),
-    ("fsdp2", "fixed", "token-mean", 1, "float32", False),  # torchrun at world size 1 still shards
+@pytest.mark.parametrize("strategy,spec,mode,nproc,dtypes,checks,offloads", [
+    ("ddp", "fixed", "token-mean", 2, "float32", True, "none"),
+    ("fsdp2", "fixed", "token-mean", 2, "float32,bfloat16", True, "none,params,optimizer"),
+    ("ddp", "budget", "seq-mean-token-mean", 2, "float32", False, "none"),
+    ("fsdp2", "budget", "seq-mean-token-mean", 2, "float32", False, "none"),
+    ("fsdp2", "fixed", "token-mean", 1, "float32", False, "none,params"),  # torchrun at world size 1 still shards
 ])
-def test_processes_match_one(reference, tmp_path, strategy, spec, mode, nproc, dtypes, checks):
+def test_processes_match_one(reference, tmp_path, strategy, spec, mode, nproc, dtypes, checks, offloads):
     out = tmp_path / "w.pt"
     torchrun(str(ROOT / "tests" / "dist_worker.py"), "--strategy", strategy, "--spec", spec, "--mode", mode,
-             "--param-dtypes", dtypes, *(["--checks"] if checks else []), "--out", str(out), nproc=nproc)
+             "--param-dtypes", dtypes, "--offloads", offloads, *(["--checks"] if checks else []), "--out", str(out),
+             nproc=nproc)
     results = torch.load(out)
-    for dtype, got in results.items():
+    for (dtype, offload), got in results.items():
+        if strategy == "fsdp2":
+            check_offload(got, offload, results[(dtype, "none")])
         bf16 = dtype == "bfloat16"
         ref = reference[mode + ("-bf16" if bf16 else "")]
         assert got["world"] == nproc
@@ -106,19 +117,109 @@ def test_processes_match_one(reference, tmp_path, strategy, spec, mode, nproc, d
             assert got["guarded_ranks"] == nproc - 1  # rank 1 ran with its loaders booby-trapped
 
 
+def check_offload(got, offload, plain):
+    """The offloaded update is the plain one, and the offload really reached FSDP2 / the optimizer."""
+    if offload != "none":
+        moved = max_diff(plain["params"], got["params"])
+        assert moved <= 1e-6, f"offload={offload}: parameters differ from the plain FSDP2 update by {moved:.2e}"
+    for role, r in got["offload"].items():
+        assert r["fsdp_groups"] == 3  # the two decoder layers and the root
+        # every FSDP2 param group holds the CPUOffloadPolicy and offloads each of its parameters, or none does
+        assert r["policy"] == [offload == "params"] * 3, (role, offload, r["policy"])
+        assert set(r["offload_to_cpu"]) == {offload == "params"}
+        assert r["step_hooks"] == ((1, 1) if offload == "optimizer" else (0, 0))
+        if offload == "params":  # (on a GPU box the plain run's would say cuda)
+            assert r["param_devices"] == ["cpu"]
+        if offload != "none":
+            assert r["state_devices"] == ["cpu"]
+
+
+def test_offload_keys_by_strategy(monkeypatch, capsys):
+    """fsdp_config's offload keys: a note and nothing with none / ddp / fsdp2 without torchrun; under
+    torchrun with fsdp2, param_offload -> the policy (and a note: the optimizer state follows the
+    shards), optimizer_offload alone -> the state between steps, both -> the policy alone."""
+    from types import SimpleNamespace as NS
+    from nanokl import dist
+    cpu, cuda, key = torch.device("cpu"), torch.device("cuda"), "actor_rollout_ref.actor"
+    both, params = NS(param_offload=True, optimizer_offload=True), NS(param_offload=True, optimizer_offload=False)
+    state = NS(param_offload=False, optimizer_offload=True)
+    assert dist.offload_setting(key, "fsdp2", cuda, NS(param_offload=False, optimizer_offload=False)) == (False, False)
+    for strategy, why in (("none", "strategy=none"), ("ddp", "strategy=ddp"), ("fsdp2", "without torchrun")):
+        assert dist.offload_setting(key, strategy, cuda, both) == (False, False)
+        err = capsys.readouterr().err
+        keys = f"{key}.fsdp_config.param_offload / {key}.fsdp_config.optimizer_offload"
+        assert err.count("\n") == 1 and why in err and keys in err
+    monkeypatch.setattr(dist, "active", lambda: True)
+    monkeypatch.setattr(dist, "rank", lambda: 0)
+    assert dist.offload_setting(key, "fsdp2", cuda, params) == (True, False)
+    assert "optimizer state lives on CPU too" in capsys.readouterr().err
+    assert dist.offload_setting(key, "fsdp2", cuda, state) == (False, True)
+    assert dist.offload_setting(key, "fsdp2", cuda, both) == (True, False)
+    assert dist.offload_setting(key, "fsdp2", cuda, state, trainable=False) == (False, False)  # a frozen reference
+    assert capsys.readouterr().err == ""
+    assert dist.offload_setting(key, "fsdp2", cpu, params) == (True, False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "optimizer state lives on CPU too" in err and "nothing moves" in err
+    assert dist.offload_setting(key, "fsdp2", cpu, params, trainable=False) == (True, False)
+    assert "optimizer" not in capsys.readouterr().err  # a frozen model has no optimizer state to speak of
+
+
+def test_optimizer_offload_moves_the_state_around_each_step(monkeypatch):
+    """dist.offload_optimizer: the same steps as without it; before each step the state goes to the
+    parameters' device, after it to the CPU (recorded: on a CPU-only box both are the CPU), and a
+    loaded state is sent back to the CPU. Adam's 0-dim step count is left where torch keeps it."""
+    from nanokl import dist
+    moves = []
+    real = dist._move_state
+    monkeypatch.setattr(dist, "_move_state", lambda opt, home: (moves.append(home), real(opt, home))[1])
+
+    def train(offload):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        if offload:
+            dist.offload_optimizer(opt)
+        for _ in range(2):
+            m(torch.randn(5, 4)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return m, opt
+
+    (plain, _), (m, opt) = train(False), train(True)
+    assert moves == [True, False, True, False]
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), m.parameters()))
+    state = opt.state[m.weight]
+    assert state["exp_avg"].device.type == "cpu" and state["step"].dim() == 0
+    dist.load_optimizer_state(m, opt, dist.optimizer_state(m, opt))
+    assert moves[-1] is False
+
+
 TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data.max_response_length=32",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "trainer.logger=[jsonl]", "trainer.test_freq=3"]
 
 
-# ddp over 2 processes; fsdp2 over 1, as the one-GPU check runs it (a process group, sharded, a rollout copy)
+# ddp over 2 processes; fsdp2 over 1, as the one-GPU check runs it (a process group, sharded, a rollout copy).
+# Both set fsdp_config's offload keys: fsdp2 offloads the actor's and the reference's shards and the
+# critic's optimizer state (nanokl/dist.py), ddp says in one line that it has nothing to offload
+OFFLOAD = ["actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+           "critic.model.fsdp_config.optimizer_offload=true"]
+
+
 @pytest.mark.parametrize("strategy,nproc", [("ddp", 2), ("fsdp2", 1)])
 def test_torchrun_train_ppo_then_resume_with_one_process(sft_dir, tmp_path, capfd, strategy, nproc):
     import train_ppo
     args = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), *TINY, f"actor_rollout_ref.model.path={sft_dir}",
             f"sft.output_dir={sft_dir}", f"trainer.default_local_dir={tmp_path}",
-            f"actor_rollout_ref.actor.strategy={strategy}"]
-    torchrun(str(ROOT / "train_ppo.py"), *args, "trainer.total_training_steps=3", "trainer.save_freq=3", nproc=nproc)
+            f"actor_rollout_ref.actor.strategy={strategy}", *OFFLOAD]
+    proc = torchrun(str(ROOT / "train_ppo.py"), *args, "trainer.total_training_steps=3", "trainer.save_freq=3",
+                    nproc=nproc)
+    notes = [line for line in proc.stderr.splitlines() if re.match(r"note: [\w.]+\.fsdp_config\.\w+_offload[ :]", line)]
+    if strategy == "ddp":  # rank 0 alone says it, once per model
+        assert len(notes) == 3 and all("nothing to offload with strategy=ddp" in n for n in notes), notes
+    else:  # on CPU the policy and the hooks are applied but nothing moves; the actor's state follows its shards
+        assert len(notes) == 3 and all("nothing moves" in n for n in notes), notes
+        assert sum("optimizer state lives on CPU too" in n for n in notes) == 1
     rows = read_metrics(tmp_path)
     assert [r["training/global_step"] for r in rows] == [0, 1, 2, 3]  # one set: only rank 0 logs
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["global_step_3"]

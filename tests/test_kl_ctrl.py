@@ -149,3 +149,113 @@ def test_the_controller_steers_toward_the_scheduled_target():
         ctrl.update(c / ctrl.value, 64)
         last[ctrl.target] = c / ctrl.value
     assert last[0.1] == pytest.approx(0.1, rel=0.05) and last[0.03] == pytest.approx(0.03, rel=0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# The KL loss's coefficient (actor_rollout_ref.actor.kl_loss_ctrl), steered by harness/run.py
+# ---------------------------------------------------------------------------------------------
+
+ARTICLE = ["algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=true",
+           "algorithm.use_kl_in_reward=false"]  # the KL-tuning article's example: nothing for kl_ctrl to steer
+
+
+def _loss_run(*overrides):
+    from nanokl.harness.config import load_config
+    from nanokl.kl_ctrl import make_kl_loss_controller
+    cfg = load_config(None, list(overrides))
+    return SimpleNamespace(cfg=cfg, kl_loss_ctrl=make_kl_loss_controller(cfg.actor_rollout_ref.actor))
+
+
+def test_fixed_kl_loss_coefficient_is_verls():
+    from nanokl.harness.run import steer_kl_loss
+    run = _loss_run("actor_rollout_ref.actor.kl_loss_coef=0.02")
+    metrics = {"actor/kl_loss": 5.0}
+    steer_kl_loss(run, metrics)
+    assert run.kl_loss_ctrl.kind == "fixed" and run.kl_loss_ctrl.value == 0.02 and metrics == {"actor/kl_loss": 5.0}
+
+
+def test_adaptive_kl_loss_coefficient_follows_the_update_rule_on_a_scripted_kl_stream():
+    """end_step's steer_kl_loss on a scripted actor/kl_loss stream equals the float64 rule written out
+    here: coef *= 1 + clip(kl / target - 1, +-0.2) * (train_batch_size * n) / horizon; a step without
+    the metric (critic warm-up) or with a non-finite one (a skipped update) leaves it alone."""
+    from nanokl.harness.run import steer_kl_loss
+    run = _loss_run("actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive",
+                    "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.05",
+                    "actor_rollout_ref.actor.kl_loss_ctrl.horizon=20000", "data.train_batch_size=64",
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.rollout.n=4")
+    stream = [0.2, 0.08, None, 0.05, 0.051, float("nan"), 0.0, 0.03, 0.5, 0.049]
+    expected, n = 0.01, 64 * 4
+    for kl in stream:
+        metrics = {} if kl is None else {"actor/kl_loss": kl}
+        steer_kl_loss(run, metrics)
+        if kl is not None and kl == kl:
+            err = min(max(kl / 0.05 - 1.0, -0.2), 0.2)
+            expected = expected * (1.0 + err * n / 20000.0)
+            assert metrics["actor/kl_loss_target"] == 0.05
+        assert run.kl_loss_ctrl.value == expected  # the same float64 operations, the same bits
+    assert run.kl_loss_ctrl.value != 0.01
+
+
+def test_adaptive_kl_loss_coefficient_closes_the_loop_on_its_target():
+    """Toy plant: the KL loss the policy ends up paying is c / coef (a heavier loss, a closer policy).
+    From 30x off either way, the coefficient settles where the KL loss is within 5% of target_kl."""
+    from nanokl.harness.run import steer_kl_loss
+    c, target = 0.002, 0.05
+    for coef0 in (0.04 / 30, 0.04 * 30):
+        run = _loss_run(f"actor_rollout_ref.actor.kl_loss_coef={coef0}", "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive",
+                        f"actor_rollout_ref.actor.kl_loss_ctrl.target_kl={target}",
+                        "actor_rollout_ref.actor.kl_loss_ctrl.horizon=2000", "data.train_batch_size=64",
+                        "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.rollout.n=4")
+        for _ in range(600):
+            steer_kl_loss(run, {"actor/kl_loss": c / run.kl_loss_ctrl.value})
+        assert c / run.kl_loss_ctrl.value == pytest.approx(target, rel=0.05)
+
+
+def test_a_controller_with_nothing_to_steer_warns_once(capsys):
+    from nanokl.harness.config import load_config
+    from nanokl.harness.config_rules import startup_notes
+    lines = startup_notes(load_config(None, ARTICLE))
+    assert len(lines) == 1 and lines[0].startswith("warning: algorithm.kl_ctrl.type=adaptive steers beta")
+    assert "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive" in lines[0]
+    lines = startup_notes(load_config(None, ["actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive"]))
+    assert len(lines) == 1 and "use_kl_loss is false" in lines[0]
+    for quiet in (["algorithm.kl_ctrl.type=adaptive", "algorithm.use_kl_in_reward=true"],
+                  ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive"]):
+        assert startup_notes(load_config(None, quiet)) == []
+    bad = "actor_rollout_ref.actor.kl_loss_coef=0"
+    with pytest.raises(ValueError, match="kl_loss_coef must be > 0 with kl_loss_ctrl.type=adaptive"):
+        load_config(None, ["actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive", bad])
+
+
+def test_a_run_steers_the_kl_loss_coefficient_and_warns_once(sft_dir, tmp_path, capfd):
+    """A 3-step run of the article's config with an adaptive KL-loss coefficient: the start-up
+    warning appears once; each step's logged actor/kl_coef is the previous one moved by the rule
+    from the previous step's logged actor/kl_loss."""
+    from pathlib import Path
+
+    import train_ppo
+    from nanokl.harness.tracking import read_metrics
+    root = Path(__file__).resolve().parents[1]
+    train_ppo.main(["--config", str(root / "configs" / "arith_tiny.yaml"), *ARTICLE,
+                    "data.num_train=64", "data.num_val=8", "data.train_batch_size=8", "data.max_response_length=16",
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                    "actor_rollout_ref.actor.kl_loss_coef=0.05", "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive",
+                    "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=1e-6", "actor_rollout_ref.actor.kl_loss_ctrl.horizon=100",
+                    "trainer.logger=jsonl", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                    "trainer.save_freq=-1", "trainer.total_training_steps=3", f"actor_rollout_ref.model.path={sft_dir}",
+                    f"sft.output_dir={sft_dir}", f"trainer.default_local_dir={tmp_path}"])
+    err = capfd.readouterr().err
+    assert sum(line.startswith("warning: algorithm.kl_ctrl.type=adaptive") for line in err.splitlines()) == 1, err
+    rows = [r for r in read_metrics(tmp_path) if "actor/kl_coef" in r]
+    assert len(rows) == 3 and rows[0]["actor/kl_coef"] == pytest.approx(0.05, rel=1e-12)
+    n = 8 * load_n(root)
+    for prev, row in zip(rows, rows[1:]):
+        err_t = min(max(prev["actor/kl_loss"] / 1e-6 - 1.0, -0.2), 0.2)
+        assert row["actor/kl_coef"] == pytest.approx(prev["actor/kl_coef"] * (1 + err_t * n / 100), rel=1e-12)
+        assert row["actor/kl_loss_target"] == 1e-6
+    assert len({r["actor/kl_coef"] for r in rows}) == 3  # it moved every step (a fixed one would not)
+
+
+def load_n(root):
+    from nanokl.harness.config import load_config
+    return load_config(root / "configs" / "arith_tiny.yaml").actor_rollout_ref.rollout.n

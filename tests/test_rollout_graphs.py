@@ -21,7 +21,11 @@ On it:
 - the buckets are 1, 2, 4, 8 and multiples of 16 (a 165-row batch runs in 176), against a brute-force
   reference;
 - the decode step never syncs with the host and writes only into the state and cache buffers
-  (a dispatch-mode check, itself shown to catch a planted `.item()` and a planted weight write).
+  (a dispatch-mode check, itself shown to catch a planted `.item()` and a planted weight write);
+- the memory budget (gpu_memory_utilization, with `device_memory` patched): the KV-cache bytes
+  against a hand computation and against the tensors the engine allocates; a budget that holds
+  the buffers leaves the sizing as it was, one a byte short refuses it naming the key, and a
+  training run whose GPU cannot hold the cache stops at setup with that one-line error.
 """
 
 from pathlib import Path
@@ -34,7 +38,8 @@ from fake_cuda_graph import FakeGraphs, host_sync, storage, written
 from nanokl import graphs
 from nanokl import model as M
 from nanokl.fused import fuse_for_rollout
-from nanokl.graphs import batch_buckets, engine_stats, generate, make_engine
+from nanokl.graphs import (KVBudgetError, batch_buckets, engine_bytes, engine_stats, generate, kv_cache_bytes,
+                           make_engine)
 from nanokl.rollout import DecodeState, decode_step
 
 V, EOS, PAD = 48, 1, 0
@@ -329,9 +334,10 @@ def test_a_ppo_run_sizes_the_engine_from_its_config_and_never_rebuilds(fake, sft
 
     sized = []
 
-    def spy(model, max_batch, max_len):
+    def spy(model, max_batch, max_len, memory_fraction=None, key=None):
+        assert memory_fraction == 0.5 and key == "actor_rollout_ref.rollout.gpu_memory_utilization"  # verl's default
         sized.append((model, max_batch, max_len))
-        return make_engine(model, max_batch, max_len)
+        return make_engine(model, max_batch, max_len, memory_fraction, key)  # device_memory: None on CPU
 
     monkeypatch.setattr(run_module, "make_engine", spy)
     root = Path(__file__).resolve().parents[1]
@@ -359,3 +365,59 @@ def test_a_ppo_run_sizes_the_engine_from_its_config_and_never_rebuilds(fake, sft
                 assert g[k] == e[k], (g["training/global_step"], k)
                 compared += 1
     assert compared == 3 * 2 + 3  # 3 training steps; validations before training, at step 2 and at the end
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: the KV cache within gpu_memory_utilization of the device
+
+
+def test_kv_cache_bytes_by_hand_and_as_allocated(fake):
+    m = tiny_model()  # 2 layers, 2 KV heads of 32 / 4 = 8 dims
+    # layers x 2 (K, V) x kv_heads x head_dim x slots x rows x bytes: 2 * 2 * 2 * 8 = 64; x 21 x 16 x 4
+    assert kv_cache_bytes(m.config, 16, 21, torch.float32) == 86016
+    assert kv_cache_bytes(m.config, 16, 21, torch.bfloat16) == 43008
+    assert engine_bytes(m.config, 16, 21, torch.float32) == 86016 + 16 * 21 * 13  # mask 1 + token 8 + log-prob 4
+    qwen_05b = M.ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                             num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2)
+    assert kv_cache_bytes(qwen_05b, 1, 1, torch.bfloat16) == 12 * 1024  # 24 x 2 x 2 x 64 x 2
+    assert kv_cache_bytes(qwen_05b, 256, 1536, torch.bfloat16) == 4.5 * 2**30
+    engine = make_engine(m, 11, 21)  # 11 rows: the top bucket, 16, is allocated
+    assert engine.buckets[-1] == 16
+    assert engine.cache.k.nbytes + engine.cache.v.nbytes == kv_cache_bytes(m.config, 16, 21, torch.float32)
+    state = engine.state
+    assert engine_bytes(m.config, 16, 21, torch.float32) == sum(
+        t.nbytes for t in (engine.cache.k, engine.cache.v, engine.cache.valid, state.out_tokens, state.out_logp))
+
+
+def test_the_memory_budget_keeps_a_cache_that_fits_and_refuses_one_that_does_not(fake, monkeypatch):
+    m = tiny_model()
+    need = engine_bytes(m.config, 16, 21, torch.float32)  # 90384 bytes for 11 rows (bucket 16) x 21 slots
+    total, in_use = 1_000_000, 400_000
+    monkeypatch.setattr(graphs, "device_memory", lambda device: (total - in_use, total))
+    key = "actor_rollout_ref.rollout.gpu_memory_utilization"
+    exact = (in_use + need) / total  # the fraction whose budget is the buffers to the byte
+    make_engine(m, 11, 21, memory_fraction=exact, key=key)
+    unbounded = tiny_model()
+    make_engine(unbounded, 11, 21)
+    assert engine_stats(m) == engine_stats(unbounded) and engine_stats(m)["buckets"][-1] == 16  # the same sizing
+    m2 = tiny_model()
+    with pytest.raises(KVBudgetError, match=key) as err:
+        make_engine(m2, 11, 21, memory_fraction=(in_use + need - 1) / total, key=key)  # one byte short
+    assert "16 rows x 21 slots" in str(err.value) and "\n" not in str(err.value)
+    assert engine_stats(m2)["buckets"] == []  # nothing was allocated
+    with pytest.raises(KVBudgetError):  # the device already fuller than the fraction: no budget at all
+        make_engine(m2, 1, 1, memory_fraction=0.3, key=key)
+    monkeypatch.setattr(graphs, "device_memory", lambda device: None)  # CPU: no memory to ask about
+    assert make_engine(m2, 11, 21, memory_fraction=0.0, key=key) is not None
+
+
+def test_a_run_whose_gpu_cannot_hold_the_cache_stops_at_setup(fake, sft_dir, tmp_path, monkeypatch):
+    import train_ppo
+    from nanokl.harness.config_io import UserError
+    monkeypatch.setattr(graphs, "device_memory", lambda device: (2**30, 2**31))  # half of 2 GiB in use
+    root = Path(__file__).resolve().parents[1]
+    args = ["--config", str(root / "configs" / "arith_tiny.yaml"),
+            f"actor_rollout_ref.model.path={sft_dir}", f"sft.output_dir={sft_dir}", f"trainer.default_local_dir={tmp_path}",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.5"]
+    with pytest.raises(UserError, match="actor_rollout_ref.rollout.gpu_memory_utilization=0.5 leaves 0.00 GiB"):
+        train_ppo.main(args)

@@ -306,9 +306,33 @@ def test_verl_style_gsm8k_rows_have_no_demonstrations(tmp_path):
            "reward_model": {"ground_truth": "18"}}
     (tmp_path / "v.jsonl").write_text(json.dumps(row) + "\n")
     [ex] = load_examples(tmp_path / "v.jsonl")
-    assert ex == {"prompt": "Q1", "ground_truth": "18", "data_source": "openai/gsm8k"}
+    assert ex == {"prompt": "Q1", "ground_truth": "18", "data_source": "openai/gsm8k", "messages": row["prompt"]}
     with pytest.raises(UserError, match="no GSM8K row here has a reference solution"):
         gsm8k.demonstrations([ex], None, seed=0)
+
+
+def test_verl_row_is_what_verls_preprocessing_writes(tmp_path):
+    """gsm8k.verl_row against the row verl's examples/data_preprocess/gsm8k.py builds, written out by
+    hand; and such rows read back from Parquet as verl's rows (data.write_rows; needs pyarrow)."""
+    question, answer = "A pen costs $2. How much do 600 pens cost?", "600*2=1200\n#### 1,200"
+    row = gsm8k.verl_row(question, answer, "test", 5)
+    assert row == {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": question + ' Let\'s think step by step and output the final answer '
+                                                          'after "####".'}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "1200"},
+        "extra_info": {"split": "test", "index": 5, "answer": answer, "question": question},
+    }
+    with pytest.raises(UserError, match="no '#### <number>' final answer"):
+        gsm8k.verl_row("q", "no answer", "train", 0)
+    pytest.importorskip("pyarrow")
+    from nanokl.harness.data import write_rows
+    path = write_rows(tmp_path / "test.parquet", [row, gsm8k.verl_row("Q2", "#### -3", "test", 6)])
+    got = load_examples(path)
+    assert [(e["prompt"], e["ground_truth"], e["messages"], e["extra_info"]["index"]) for e in got] == [
+        (row["prompt"][0]["content"], "1200", row["prompt"], 5), ("Q2 " + INSTRUCTION, "-3",
+                                                                   [{"role": "user", "content": "Q2 " + INSTRUCTION}], 6)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -259,6 +259,8 @@ def build(cls, data: dict, prefix: str = "", universe: list[str] | None = None):
     names = [f.name for f in dataclasses.fields(cls)]
     data = dict(data)
     for old, new in getattr(cls, "RENAMED", {}).items():
+        if old in data and data[old] is None:  # verl's own files write the old name as `warmup_style: null`
+            del data[old]
         if old in data:
             if new in data:
                 raise ConfigError(f"set only one of {prefix}{old} and {prefix}{new} (same knob, "
@@ -322,8 +324,9 @@ def coerce(value, tp, key: str, universe: list[str] | None = None):
             if arm is not type(None):
                 try:
                     return coerce(value, arm, key, universe)
-                except ConfigError:
-                    pass
+                except ConfigError as e:
+                    if _same_kind(value, arm) and any(typing.get_origin(a) in (list, tuple) for a in args):
+                        raise  # a name-or-list key (trainer.logger): the matching arm's error names the bad item
         raise ConfigError(f"{key} expects {type_name(tp)}, got {_show(value)}", keys=key)
     if origin is Literal:
         if any(type(value) is type(a) and value == a for a in args):
@@ -360,6 +363,14 @@ def coerce(value, tp, key: str, universe: list[str] | None = None):
         return value
     hint = " (quote it to make it a string)" if tp is str and isinstance(value, (int, float)) else ""
     raise ConfigError(f"{key} expects {type_name(tp)}, got {_show(value)}{hint}", keys=key)
+
+
+def _same_kind(value, arm) -> bool:
+    """Is `value` the kind of thing union arm `arm` holds (a list for a list, a name for a Literal of names)?"""
+    origin = typing.get_origin(arm)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    return origin is Literal and isinstance(value, str) and all(isinstance(a, str) for a in typing.get_args(arm))
 
 
 def type_name(tp) -> str:

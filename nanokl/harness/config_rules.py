@@ -36,6 +36,16 @@ def resolve(cfg):
     critic.model.tokenizer_path = critic.model.tokenizer_path or arr.model.tokenizer_path
     critic.ppo_mini_batch_size = _or(critic.ppo_mini_batch_size, actor.ppo_mini_batch_size)
     critic.ppo_epochs = _or(critic.ppo_epochs, actor.ppo_epochs)
+    # verl's spellings of nanokl's knobs (the "mapped" rows of VERL_NOTES' table in README)
+    data.task = _or(data.task, None if data.train_files else "arith")  # files, no task: data_source picks the rule
+    for who in (actor, arr.ref, critic):
+        who.strategy = "fsdp2" if who.strategy == "fsdp" else who.strategy
+    if isinstance(cfg.trainer.logger, str):  # verl's trainer.logger=console
+        cfg.trainer.logger = [cfg.trainer.logger]
+    if rollout.enforce_eager is not None:
+        rollout.use_cuda_graph = not rollout.enforce_eager
+    for who, opt in ((actor, actor.optim), (critic, critic.optim)):
+        who.grad_clip = _or(opt.clip_grad, who.grad_clip)
     return cfg
 
 
@@ -72,7 +82,11 @@ _RULES = [
       _C + "ppo_mini_batch_size", _C + "ppo_micro_batch_size_per_gpu", _C + "ppo_max_token_len_per_gpu",
       _C + "forward_max_token_len_per_gpu", _C + "ppo_epochs", _C + "grad_clip", _C + "cliprange_value",
       "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
-      "algorithm.kl_ctrl.horizon",
+      "algorithm.kl_ctrl.horizon", _A + "kl_loss_ctrl.horizon", _R + "tensor_model_parallel_size",
+      "trainer.n_gpus_per_node", "trainer.nnodes", _A + "ppo_micro_batch_size", _C + "ppo_micro_batch_size",
+      "actor_rollout_ref.ref.log_prob_micro_batch_size", _R + "log_prob_micro_batch_size",
+      _C + "forward_micro_batch_size", _C + "forward_micro_batch_size_per_gpu", "reward_model.micro_batch_size",
+      _A + "optim.clip_grad", _C + "optim.clip_grad",
       "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep",
       "trainer.log_freq", _M + "kl_high", _M + "kl_var_max", _M + "reward_var_max", _M + "kl_stop",
       _M + "kl_stop_patience", _M + "collapse_kl", _M + "score_window", _M + "rollback_actor_lr",
@@ -99,7 +113,10 @@ _RULES = [
      "-1 (use the ratio) or >= 0"),
     ([_A + "optim.total_training_steps", _C + "optim.total_training_steps"], lambda v: v == -1 or v > 0,
      "-1 (filled in by the trainer) or > 0"),
-    (["trainer.save_freq", "trainer.test_freq"], lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
+    (["trainer.save_freq", "trainer.test_freq", "data.train_max_samples", "data.val_max_samples"],
+     lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
+    ([_R + "gpu_memory_utilization"], lambda v: 0 < v <= 1, "in (0, 1]"),
+    (["trainer.log_val_generations"], lambda v: v >= 0, ">= 0"),
     ([_A + "optim.betas", _C + "optim.betas"], lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     (["algorithm.rollout_correction.rollout_is_threshold"], lambda v: v >= 1,
      ">= 1 (so that a token sampled by pi_old itself gets weight exactly 1)"),
@@ -124,8 +141,7 @@ def _owned_names():
             ("algorithm.adv_estimator", tuple(ESTIMATORS)), ("data.task", tuple(TASKS))]
 
 
-def _check_target_kl(target):
-    key = "algorithm.kl_ctrl.target_kl"
+def _check_target_kl(target, key="algorithm.kl_ctrl.target_kl"):
     if isinstance(target, (int, float)):
         if target <= 0:
             raise ConfigError(f"{key} must be > 0, got {target!r}", keys=key)
@@ -163,11 +179,12 @@ def validate(cfg):
     """Reject values that are wrong in every run (not merely unusual). Run after `resolve`."""
     for key, names in _owned_names():
         value = _get(cfg, key)
-        if value not in names:
+        if value not in names and not (key == "data.task" and value is None):  # None: by data_source
             close = difflib.get_close_matches(str(value), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key} must be one of {', '.join(names)}; got {value!r}{hint}", keys=key)
     _check_target_kl(cfg.algorithm.kl_ctrl.target_kl)
+    _check_target_kl(cfg.actor_rollout_ref.actor.kl_loss_ctrl.target_kl, _A + "kl_loss_ctrl.target_kl")
     for keys, ok, rule in _RULES:
         for key in keys:
             value = _get(cfg, key)
@@ -235,4 +252,151 @@ def validate(cfg):
     if sft.num_attention_heads % sft.num_key_value_heads:
         raise ConfigError(f"{_S}num_key_value_heads ({sft.num_key_value_heads}) must divide "
                           f"num_attention_heads ({sft.num_attention_heads})", keys=(_S + "num_key_value_heads",))
+    if actor.kl_loss_ctrl.type == "adaptive" and actor.kl_loss_coef <= 0:
+        raise ConfigError(f"{_A}kl_loss_coef must be > 0 with kl_loss_ctrl.type=adaptive (the controller multiplies "
+                          f"it), got {actor.kl_loss_coef}", keys=(_A + "kl_loss_coef", _A + "kl_loss_ctrl.type"))
+    from nanokl.harness.config_verl import check_verl_keys
+    check_verl_keys(cfg)
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# verl's keys without a nanokl counterpart (nanokl/harness/config_verl.py)
+# ---------------------------------------------------------------------------------------------
+
+_ARR, _RM, _T = "actor_rollout_ref.", "reward_model.", "trainer."
+_RAY = "nanokl runs under torchrun, without Ray"
+_ONE_PROC = "nanokl runs the reward model in the trainer processes, beside the policy"
+_NO_HOOKS = "nanokl has no profiler or tracing hooks (timing_s/* times each stage)"
+_FSDP = ("nanokl/dist.py wraps each decoder block with FSDP2, fp32 master weights under bf16 autocast; "
+         "only param_offload and optimizer_offload are its to set")
+_SP = "nanokl has no sequence parallelism: each GPU holds whole sequences (use_dynamic_bsz bounds memory)"
+_COMPILE = "nanokl runs eagerly (CUDA graphs in the rollout only)"
+_ENT = "nanokl computes the entropy from chunks of logits always (nanokl/fused.py)"
+_FUSED = "nanokl computes log-probs and entropy with its own chunked kernel (nanokl/fused.py)"
+_CKPT = "nanokl's checkpoints hold the model, the optimizer and the trainer state, always, written synchronously"
+_VLLM = "nanokl's engine decodes each batch in lockstep; this vLLM scheduler setting has no counterpart"
+_WEIGHTS = "nanokl's rollout takes the actor's weights in place after each update (nanokl/dist.py)"
+_UNUSED = "used only with {} (refused)"
+
+# key -> what nanokl does instead. A key whose value differs from its default (for a dict: one of the
+# entries its default names) prints "note: key=value: <this>" once at start-up, on rank 0; README's
+# verl table lists them all.
+VERL_NOTES = {
+    "data.tokenizer": "nanokl tokenizes with actor_rollout_ref.model.tokenizer_path",
+    "data.use_shm": "nanokl reads the files where they are",
+    "data.return_raw_input_ids": "nanokl keeps one tokenization of each prompt, the policy's",
+    "data.return_full_prompt": "nanokl keeps one tokenization of each prompt, the policy's",
+    "data.dataloader_num_workers": "nanokl reads and tokenizes the prompts once, in the main process",
+    "data.filter_overlong_prompts_workers": "nanokl reads and tokenizes the prompts once, in the main process",
+    "data.validation_shuffle": "nanokl validates on the validation rows in file order",
+    "data.trust_remote_code": "nanokl runs no code from the data or model directories",
+    **dict.fromkeys(["data.image_key", "data.video_key", "data.image_patch_size", "data.return_multi_modal_inputs",
+                     "actor_rollout_ref.actor.freeze_vision_tower"], "nanokl is text-only: no image or video is read"),
+    "data.tool_config_path": "nanokl's rollout is single-turn, without tools",
+    **{f"{m}.{k}": v for m in (_ARR + "model", "critic.model") for k, v in {
+        "use_shm": "nanokl loads the checkpoint from its path",
+        "trust_remote_code": "nanokl builds Qwen2/Llama-format models with its own code (nanokl/model.py)",
+        "external_lib": "nanokl builds Qwen2/Llama-format models with its own code (nanokl/model.py)",
+        "enable_activation_offload": "nanokl keeps activations on the GPU (enable_gradient_checkpointing saves memory)",
+        "lora_alpha": _UNUSED.format("lora_rank > 0"), "target_modules": _UNUSED.format("lora_rank > 0"),
+        "exclude_modules": _UNUSED.format("lora_rank > 0"), "tiled_mlp": "nanokl's MLP runs untiled",
+        "use_liger": _FUSED, "use_fused_kernels": _FUSED, "fused_kernel_options": _FUSED}.items()
+       if m != "critic.model" or k not in ("exclude_modules", "use_liger", "use_fused_kernels", "fused_kernel_options")},
+    **{f"{p}.fsdp_config.{k}": _FSDP for p in (_A[:-1], _ARR + "ref", "critic.model")
+       for k in ("offload_policy", "reshard_after_forward", "fsdp_size", "forward_prefetch", "wrap_policy",
+                 "model_dtype", "dtype", "use_orig_params", "use_torch_compile", "ulysses_sequence_parallel_size",
+                 "seed", "full_determinism", "entropy_from_logits_with_chunking", "entropy_checkpointing",
+                 "forward_only", "strategy")},
+    **{f"{o}.optimizer_impl": "nanokl's optimizer is torch.optim.AdamW" for o in (_A + "optim", _C + "optim")},
+    **{f"{p}{k}": v for p in (_A, _ARR + "ref.", _C) for k, v in {
+        "ulysses_sequence_parallel_size": _SP, "use_torch_compile": _COMPILE, "entropy_from_logits_with_chunking": _ENT,
+        "entropy_checkpointing": _ENT, "profiler": _NO_HOOKS, "router_replay": "nanokl's models are dense (no MoE router)",
+        "checkpoint": _CKPT, "data_loader_seed": "nanokl shuffles mini-batches from trainer.seed and the step"}.items()
+       if not (p == _C and k in ("use_torch_compile", "entropy_from_logits_with_chunking", "entropy_checkpointing",
+                                 "router_replay"))
+       and not (p == _ARR + "ref." and k in ("checkpoint", "data_loader_seed"))},
+    _A + "calculate_entropy": "nanokl computes the entropy every step (actor/entropy)",
+    _A + "use_prefix_grouper": "nanokl forwards each response with its own copy of the prompt",
+    **dict.fromkeys([_A + "tau_pos", _A + "tau_neg"] + [f"{_A}policy_loss.{k}" for k in (
+        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")],
+        _UNUSED.format("a policy_loss.loss_mode other than vanilla")),
+    **dict.fromkeys([_A + "calculate_sum_pi_squared", _A + "sum_pi_squared_checkpointing"],
+                    "nanokl does not compute sum(pi^2)"),
+    _R + "name": "nanokl samples with its own engine (nanokl/rollout.py; CUDA graphs on GPU)",
+    _R + "mode": "nanokl samples synchronously, inside the step",
+    _R + "tensor_model_parallel_size": "nanokl has no tensor parallelism: each GPU samples its share of the prompts "
+                                       "with the whole policy (the same distribution)",
+    **dict.fromkeys([_R + "data_parallel_size", _R + "expert_parallel_size", _R + "pipeline_model_parallel_size"],
+                    "nanokl's rollout runs one whole-policy replica per GPU"),
+    _R + "cudagraph_capture_sizes": "nanokl captures one CUDA graph per batch size it meets (up to max_batch_size)",
+    _R + "free_cache_engine": "nanokl sizes its KV cache once (gpu_memory_utilization) and keeps it",
+    **dict.fromkeys([_R + k for k in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+                                      "enable_prefix_caching", "scheduling_policy", "disable_log_stats",
+                                      "engine_kwargs")], _VLLM),
+    _R + "max_model_len": "nanokl's rollout holds prompt_length + response_length tokens",
+    _R + "logprobs_mode": "nanokl records the log-probs of the temperature-scaled distribution it samples "
+                          "(verl's processed_logprobs)",
+    _R + "calculate_log_probs": "nanokl's rollout records the sampler's log-probs always",
+    **dict.fromkeys([_R + k for k in ("load_format", "multi_stage_wake_up", "layered_summon", "skip_tokenizer_init",
+                                      "enable_rollout_routing_replay", "checkpoint_engine")], _WEIGHTS),
+    _R + "skip_dump_dir": _UNUSED.format("skip_rollout"),
+    _R + "quantization_config_file": _UNUSED.format("quantization"),
+    **dict.fromkeys([_R + "multi_turn", _R + "agent"], "nanokl's rollout is single-turn: one response per sample"),
+    **dict.fromkeys([_R + "trace", _R + "profiler", _R + "prometheus", _RM + "profiler", "global_profiler"], _NO_HOOKS),
+    _ARR + "hybrid_engine": "nanokl's actor and rollout share each GPU (verl's hybrid engine), always",
+    _ARR + "nccl_timeout": "nanokl uses torch.distributed's default timeout",
+    **dict.fromkeys([_RM + k for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "strategy",
+                                       "ulysses_sequence_parallel_size", "use_dynamic_bsz",
+                                       "forward_max_token_len_per_gpu")] +
+                    [f"{_RM}model.{k}" for k in ("external_lib", "trust_remote_code", "use_shm", "use_remove_padding",
+                                                  "use_fused_kernels", "fsdp_config")], _ONE_PROC),
+    _RM + "model.input_tokenizer": "nanokl's reward model reads the decoded text with its own tokenizer",
+    **dict.fromkeys([_RM + k for k in ("reward_loop_source", "reward_loop_module_path", "reward_loop_class_name",
+                                       "use_reward_loop", "num_workers", "launch_reward_fn_async")],
+                    "nanokl scores each batch in the trainer processes, after sampling"),
+    _RM + "sandbox_fusion": "nanokl has no code sandbox: the task's rule scores",
+    _RM + "rollout": "nanokl's reward model is a sequence classifier (no generative reward model)",
+    _RM + "reward_manager": "prime scores in a process pool; nanokl scores in the trainer process (the same scores)",
+    "reward_manager": "nanokl's reward manager is reward_model.reward_manager",
+    "algorithm.pf_ppo": _UNUSED.format("algorithm.use_pf_ppo"),
+    "algorithm.rollout_correction.rollout_rs_threshold": _UNUSED.format("rollout_rs"),
+    _T + "balance_batch": "nanokl gives each rank the same number of prompts, unbalanced by length (the same metrics)",
+    _T + "esi_redundant_time": "nanokl saves a checkpoint on SIGTERM / SIGUSR1 instead (nanokl/harness/faults.py)",
+    _T + "default_hdfs_dir": "nanokl saves under trainer.default_local_dir only",
+    _T + "del_local_ckpt_after_load": "nanokl keeps the checkpoint it resumed from",
+    _T + "max_critic_ckpt_to_keep": "nanokl's checkpoints hold actor and critic together: max_actor_ckpt_to_keep counts",
+    **dict.fromkeys([_T + "ray_wait_register_center_timeout", _T + "use_legacy_worker_impl", "ray_kwargs", "ray_init",
+                     "transfer_queue"], _RAY),
+}
+
+def startup_notes(cfg) -> list[str]:
+    """One line per verl key set to something nanokl does otherwise (VERL_NOTES), and one per KL
+    controller with nothing to steer. Printed once, on rank 0, by harness/run.py's setup."""
+    from nanokl.harness.config import Config
+    defaults, lines = Config(), []
+    for key, note in VERL_NOTES.items():
+        value = _get(cfg, key)
+        if _differs(value, _get(defaults, key)):
+            lines.append(f"note: {key}={value!r}: {note}")
+    alg, a = cfg.algorithm, cfg.actor_rollout_ref.actor
+    if alg.kl_ctrl.type == "adaptive" and not alg.use_kl_in_reward and a.loss_mode == "ppo":
+        fix = ("set algorithm.use_kl_in_reward=true to penalise KL in the reward" if not a.use_kl_loss else
+               f"the KL loss's coefficient has its own, {_A}kl_loss_ctrl" if a.kl_loss_ctrl.type == "adaptive" else
+               f"to steer the KL loss's coefficient set {_A}kl_loss_ctrl.type=adaptive")
+        lines.append(f"warning: algorithm.kl_ctrl.type=adaptive steers beta of the in-reward KL penalty, but "
+                     f"algorithm.use_kl_in_reward is false: the controller has nothing to steer; {fix}")
+    if a.kl_loss_ctrl.type == "adaptive" and not a.use_kl_loss:
+        lines.append(f"warning: {_A}kl_loss_ctrl.type=adaptive steers kl_loss_coef, but {_A}use_kl_loss is false: "
+                     f"the controller has nothing to steer")
+    return lines
+
+
+def _differs(value, default) -> bool:
+    """`value` is not `default`; for a group of settings (a dict), only the entries the default names
+    count (verl's files spell out many more, at values that ask nothing), unless it names none."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        if not default:  # a group verl leaves empty (engine kwargs): any entry asks something
+            return bool(value)
+        return any(_differs(value.get(k, d), d) for k, d in default.items())
+    return value != default

@@ -4,18 +4,20 @@ What PPO needs from data is small: a list of prompts, each with what the task's 
 to score a response. Every task (nanokl/tasks/) returns the same plain shape, a list of dicts:
 
     {"prompt": str, "ground_truth": str, "data_source": str, "solution": str (optional),
-     "system_prompt": str (optional)}
+     "system_prompt": str (optional), "messages": list (optional), "extra_info": dict (optional)}
 
 This module holds what does not depend on the task:
 
 1. Rows from files (`read_rows`, `read_examples`). A file is JSONL, a JSON array or Parquet; a
    task turns each row into an example. verl's preprocessing writes one common row shape,
    `{"data_source", "prompt": [{"role": "user", "content"}] or str, "reward_model":
-   {"ground_truth"}}`, which `verl_row_to_example` reads for any task (data.prompt_key and
-   data.reward_fn_key rename the two fields). A chat prompt may start with one system message
-   (kept as `system_prompt`); anything longer is not a single-turn prompt and is refused. A bad
-   row is a `DataError` naming `file:line` (Parquet: `file:row i`, 0-based as pyarrow counts),
-   so the user fixes the data instead of reading a traceback.
+   {"ground_truth"}, "extra_info": {...}}`, which `verl_row_to_example` reads for any task
+   (data.prompt_key and data.reward_fn_key rename the two fields; extra_info goes to a
+   custom_reward_function as it is). A chat prompt may start with one system message (kept as
+   `system_prompt`); anything longer is not a single-turn prompt and is refused. The chat itself is
+   kept as `messages`. A bad row is a `DataError` naming `file:line` (Parquet: `file:row i`,
+   0-based as pyarrow counts), so the user fixes the data instead of reading a traceback.
+   `write_rows` writes rows back (JSONL or Parquet), for tests and for preparing data.
 
 2. Batches with exact resume (`batch_indices`). The batch of global step `s` is a pure
    function of (s, seed): epoch e = s // steps_per_epoch shuffles with seed + e, and the step
@@ -23,8 +25,12 @@ This module holds what does not depend on the task:
    needs only k, and two ranks that agree on (k, seed) agree on the batch. (How a batch is
    then cut into micro-batches by token budget, or packed, is nanokl/batching.py.)
 
-3. Prompts -> token ids (`build_prompts`): each example's prompt in data.prompt_template,
-   left-padded, so every row's response starts at the same position.
+3. Prompts -> token ids (`build_prompts`): an example's chat `messages` in the model's own chat
+   template (as verl renders every prompt: tokenizer.apply_chat_template; data.return_raw_chat
+   keeps them, nanokl/harness/tokenizer.py renders them), any other prompt in data.prompt_template;
+   left-padded, so every row's response starts at the same position. `drop_overlong` is
+   data.filter_overlong_prompts: the prompts longer than data.max_prompt_length once rendered are
+   dropped when the data load, as verl's RLHFDataset drops them, and the count is said once.
 
 tests/test_data.py checks: verl rows (JSONL, JSON array, Parquet, renamed keys) parse; bad rows
 name file and line; batches cover each index once per epoch and are a pure function of the
@@ -86,6 +92,10 @@ def verl_row_to_example(row, where: str, prompt_key: str = "prompt", reward_fn_k
     ex = {"prompt": prompt, "ground_truth": str(truth), "data_source": source}
     if system is not None:
         ex["system_prompt"] = system
+    if isinstance(row[prompt_key], list):  # the chat as given: the model's chat template renders it
+        ex["messages"] = [dict(m) for m in row[prompt_key]]
+    if isinstance(row.get("extra_info"), dict):  # verl's compute_score(..., extra_info) receives it
+        ex["extra_info"] = row["extra_info"]
     return ex
 
 
@@ -160,6 +170,22 @@ def _text_only(row, where: str):
     return row
 
 
+def write_rows(path, rows) -> Path:
+    """Write rows (dicts) as a .jsonl or .parquet file that `read_rows` reads back (Parquet needs pyarrow)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".parquet":
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise UserError(f"{path}: writing Parquet needs pyarrow (pip install pyarrow)") from None
+        pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    else:
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
 def read_examples(path_or_paths, to_example) -> list[dict]:
     """All examples of one file or a list of files, in order: `to_example(row, where)` per row
     (a task's row reader, e.g. verl_row_to_example)."""
@@ -217,21 +243,37 @@ def rank_rows(num_examples: int, batch_size: int, step: int, seed: int, shuffle:
 # 3. Prompts -> token ids
 # ---------------------------------------------------------------------------------------------
 
-def _templated(ex: dict, template: str, system_prompt):
-    # a system message that came with the row (verl chat prompts) wins over the run-wide one
+def prompt_text(ex: dict, tokenizer, template: str = "plain", system_prompt=None) -> str:
+    """The text the model reads for example `ex`: its chat `messages` in the model's own chat
+    template, else its prompt in `template` (a system message that came with the row wins over
+    the run-wide `system_prompt`)."""
+    if "messages" in ex:
+        return tokenizer.apply_chat_template(ex["messages"], add_generation_prompt=True)
     return apply_template(ex["prompt"], template, ex.get("system_prompt", system_prompt))
 
 
 def build_prompts(examples, tokenizer, template: str = "plain", max_length: int | None = None,
                   truncation: str = "error", system_prompt: str | None = None, device=None):
     """Left-padded (input_ids [B, T], attention_mask [B, T]) of the templated prompts."""
-    texts = [_templated(ex, template, system_prompt) for ex in examples]
+    texts = [prompt_text(ex, tokenizer, template, system_prompt) for ex in examples]
     return tokenizer.encode(texts, max_length=max_length, truncation=truncation, device=device)
 
 
 def filter_overlong(examples, tokenizer, template: str, max_length: int,
                     system_prompt: str | None = None) -> list[dict]:
     """The examples whose templated prompt fits in `max_length` tokens (data.filter_overlong_prompts)."""
-    texts = [_templated(ex, template, system_prompt) for ex in examples]
+    texts = [prompt_text(ex, tokenizer, template, system_prompt) for ex in examples]
     lengths = [len(e.ids) for e in tokenizer.tok.encode_batch(texts, add_special_tokens=False)]
     return [ex for ex, n in zip(examples, lengths) if n <= max_length]
+
+
+def drop_overlong(examples, tokenizer, data, what: str, say=print) -> list[dict]:
+    """data.filter_overlong_prompts on one split (`what`: "training" or "validation"): the examples
+    that fit data.max_prompt_length, after one line saying how many went."""
+    kept = filter_overlong(examples, tokenizer, data.prompt_template, data.max_prompt_length)
+    say(f"data.filter_overlong_prompts: dropped {len(examples) - len(kept)} of {len(examples)} {what} prompts "
+        f"longer than {data.max_prompt_length} tokens")
+    if examples and not kept:
+        raise UserError(f"data.filter_overlong_prompts dropped every {what} prompt: none fits in "
+                        f"data.max_prompt_length={data.max_prompt_length} tokens")
+    return kept

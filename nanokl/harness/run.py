@@ -21,7 +21,8 @@ below read and update; no trainer class hierarchy.
 
 The two KL coefficients are controllers (nanokl/kl_ctrl.py): `run.kl_ctrl` is beta in the reward
 (fixed or adaptive, algorithm.kl_ctrl, following a target_kl schedule when one is given),
-`run.kl_loss_ctrl` the weight of the KL loss (actor.kl_loss_coef, fixed). Both are saved in every
+`run.kl_loss_ctrl` the weight of the KL loss (actor.kl_loss_coef: fixed as in verl, or adaptive,
+steered by end_step toward actor.kl_loss_ctrl.target_kl from the step's actor/kl_loss). Both are saved in every
 checkpoint and restored on resume. The KL monitor's remedies act on them and on a few other knobs
 (nanokl/harness/remedies.py): an `adjust` turns one knob, a rollback follows its recipe (by
 default: reload the last healthy checkpoint and raise both coefficients).
@@ -33,6 +34,7 @@ are pure functions of the step, so "4 steps" and "2 steps, resume, 2 steps" are 
 (tests/test_train_ppo.py).
 """
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -48,23 +50,27 @@ from nanokl.harness import remedies, variants
 from nanokl.harness.checkpoint import (CheckpointWriteError, latest_checkpoint, load_state, rng_state,
                                       save_checkpoint, set_rng_state, verify_checkpoint)
 from nanokl.harness.config import config_to_dict, save_config
-from nanokl.harness.config_io import UserError
-from nanokl.harness.data import steps_per_epoch
+from nanokl.harness.config_io import ConfigError, UserError
+from nanokl.harness.config_rules import startup_notes, validate as validate_config
+from nanokl.harness.data import drop_overlong, steps_per_epoch
+from nanokl.harness.generations import dump_rollout, gather, pick_val_generations
 from nanokl.harness.faults import Preemption, catch_preemption, inject
 from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
 from nanokl.harness.monitor import CHECKS, KLMonitor
+from nanokl.harness.reward_fn import check_sources
 from nanokl.harness.scoring import validate
 from nanokl.harness.stages import load_rm, train_missing_stages
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
-from nanokl.kl_ctrl import FixedKLController, make_kl_controller
+from nanokl.kl_ctrl import FixedKLController, make_kl_controller, make_kl_loss_controller
 from nanokl.fused import fuse_for_rollout
-from nanokl.graphs import make_engine
-from nanokl.tasks import TASKS
+from nanokl.graphs import KVBudgetError, make_engine
+from nanokl.tasks import get_task
 from nanokl.workers import rollout_log_probs_are_old
 
+GMU = "actor_rollout_ref.rollout.gpu_memory_utilization"
 MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before the run stops
 
 
@@ -94,7 +100,7 @@ class Run:
     critic_opt: object
     critic_sched: object
     kl_ctrl: object  # beta in the reward
-    kl_loss_ctrl: FixedKLController  # the KL loss's coefficient
+    kl_loss_ctrl: object  # the KL loss's coefficient (fixed, or adaptive: actor.kl_loss_ctrl)
     rm: torch.nn.Module | None  # the learned reward model (reward_model.enable)
     monitor: KLMonitor | None
     tracker: Tracker | None
@@ -128,8 +134,10 @@ def lr_lambda(optim, total_steps):
     return f
 
 
-def make_optimizer(model, optim, total_steps):
+def make_optimizer(model, optim, total_steps, offload_state=False):
     opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    if offload_state:  # fsdp_config.optimizer_offload alone: the state waits on CPU between steps (nanokl/dist.py)
+        dist.offload_optimizer(opt)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
 
 
@@ -147,12 +155,49 @@ def batching_specs(cfg) -> dict:
                     arr.ref.log_prob_use_dynamic_bsz, packed),
         "actor": spec(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz, packed),
         "critic": spec(c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c),
-        "values": spec(c.ppo_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c),
+        "values": spec(c.forward_micro_batch_size_per_gpu or c.ppo_micro_batch_size_per_gpu,
+                       c.forward_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c),
     }
 
 
+# verl's older micro-batch sizes count responses over all GPUs: verl's workers divide them by the world size
+_GLOBAL_SIZES = (("actor_rollout_ref.actor", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu"),
+                 ("actor_rollout_ref.ref", "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu"),
+                 ("actor_rollout_ref.rollout", "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu"),
+                 ("critic", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu"),
+                 ("critic", "forward_micro_batch_size", "forward_micro_batch_size_per_gpu"),
+                 ("reward_model", "micro_batch_size", "micro_batch_size_per_gpu"))
+
+
 def _check_world(cfg, W, needs_critic):
-    d, a, c = cfg.data, cfg.actor_rollout_ref.actor, cfg.critic
+    """What depends on torchrun's world size W: verl's node/GPU counts, its global micro-batch sizes
+    (mapped to the per-GPU ones here, in place), the divisibility of the batch sizes."""
+    d, a, c, t = cfg.data, cfg.actor_rollout_ref.actor, cfg.critic, cfg.trainer
+    if t.n_gpus_per_node is not None and t.n_gpus_per_node * t.nnodes != W:
+        raise ConfigError(f"trainer.n_gpus_per_node x trainer.nnodes = {t.n_gpus_per_node} x {t.nnodes} = "
+                          f"{t.n_gpus_per_node * t.nnodes}, but the run has {W} process(es) (torchrun's world size): start "
+                          f"{t.n_gpus_per_node * t.nnodes} (torchrun --nproc_per_node={t.n_gpus_per_node} "
+                          f"--nnodes={t.nnodes}), or set them to match", keys=("trainer.n_gpus_per_node", "trainer.nnodes"))
+    if t.n_gpus_per_node is None and W % t.nnodes:
+        raise ConfigError(f"trainer.nnodes ({t.nnodes}) must divide the run's {W} process(es)",
+                          keys="trainer.nnodes")
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if W % tp:
+        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the {W} "
+                          f"process(es) of the run (as in verl)", keys="actor_rollout_ref.rollout.tensor_model_parallel_size")
+    mapped = False
+    for path, old, new in _GLOBAL_SIZES:
+        section = functools.reduce(getattr, path.split("."), cfg)
+        size = getattr(section, old)
+        if size is not None:
+            if size % W:
+                raise ConfigError(f"{path}.{old} ({size}, over all GPUs) must be divisible by the {W} process(es)",
+                                  keys=f"{path}.{old}")
+            setattr(section, new, size // W)
+            setattr(section, old, None)  # the config saved with the run holds the per-GPU size only
+            mapped = True
+    if mapped:  # the per-GPU sizes must divide the mini-batches like any given one
+        validate_config(cfg)
     for key, v in (("data.train_batch_size", d.train_batch_size), ("actor_rollout_ref.actor.ppo_mini_batch_size",
                    a.ppo_mini_batch_size), ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size)):
         if v % W:
@@ -173,6 +218,9 @@ def setup(cfg) -> Run:
     estimator = ESTIMATORS[alg.adv_estimator]
     needs_critic = estimator.needs_critic and a.loss_mode == "ppo"  # DPO has no advantages to estimate
     _check_world(cfg, W, needs_critic)
+    if rank == 0:  # verl keys set to what nanokl does otherwise, controllers with nothing to steer: once each
+        for line in startup_notes(cfg):
+            print(line, file=sys.stderr)
     run_dir = Path(t.default_local_dir)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +232,17 @@ def setup(cfg) -> Run:
     # global one is seeded too, so that nothing else can make a run depend on what ran before it
     torch.manual_seed(t.seed)
     tok = load_tokenizer(arr.model.tokenizer_path)
-    train, val = TASKS[d.task].examples(d, seed=d.seed)
+    train, val = get_task(d.task).examples(d, seed=d.seed)  # data.task None: verl's rows, scored by data_source
+    if not d.return_raw_chat:  # chat prompts as text in data.prompt_template, not the model's chat template
+        train, val = ([{k: v for k, v in ex.items() if k != "messages"} for ex in x] for x in (train, val))
+    train, val = _max_samples(train, d.train_max_samples, d.shuffle, d.seed), _max_samples(val, d.val_max_samples)
+    if d.filter_overlong_prompts:  # as verl's RLHFDataset does after max_samples: both splits, said once each
+        say = (lambda line: print(line, file=sys.stderr)) if rank == 0 else (lambda line: None)
+        train = drop_overlong(train, tok, d, "training", say)
+        val = drop_overlong(val, tok, d, "validation", say) if val else val
+    check_sources(cfg, train + val)  # a custom reward file that does not import, or an unknown data_source
+    if t.val_only and not val:
+        raise UserError("trainer.val_only validates and stops, but there is no validation set (data.val_files)")
     if d.offline_files:  # offline: the prompts are the logged rows' (the task still gives the held-out set)
         train = read_logged(d.offline_files, tok, template=d.prompt_template,
                             max_prompt_length=d.max_prompt_length if d.truncation == "error" else None,
@@ -214,13 +272,17 @@ def setup(cfg) -> Run:
     if rollout_copy:
         dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
         rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype).eval().requires_grad_(False))
-    actor = dist.wrap(actor, a.strategy, device)
-    ref = dist.wrap(ref, arr.ref.strategy, device, trainable=False)
-    critic = dist.wrap(critic, c.strategy, device) if critic is not None else None
+    # fsdp_config's CPU offload, each (the shards' CPUOffloadPolicy, the optimizer state alone): nanokl/dist.py
+    a_off = dist.offload_setting("actor_rollout_ref.actor", a.strategy, device, a.fsdp_config)
+    c_off = dist.offload_setting("critic.model", c.strategy, device, c.model.fsdp_config) if needs_critic else (0, 0)
+    ref_off = dist.offload_setting("actor_rollout_ref.ref", arr.ref.strategy, device, arr.ref.fsdp_config, False)
+    actor = dist.wrap(actor, a.strategy, device, offload=a_off[0])
+    ref = dist.wrap(ref, arr.ref.strategy, device, trainable=False, offload=ref_off[0])
+    critic = dist.wrap(critic, c.strategy, device, offload=c_off[0]) if critic is not None else None
 
     total_steps = t.total_training_steps or t.total_epochs * steps_per_epoch(len(train), d.train_batch_size)
-    actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps)
-    critic_opt, critic_sched = make_optimizer(critic, c.optim, total_steps) if critic is not None else (None, None)
+    actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps, a_off[1])
+    critic_opt, critic_sched = make_optimizer(critic, c.optim, total_steps, c_off[1]) if critic is not None else (None, None)
     km = t.kl_monitor
     # chosen once, for every step: the rollout's log-probs stand in for pi_old's only when the actor
     # updates every step (critic_warmup 0), since the update is what then records the entropy
@@ -231,7 +293,7 @@ def setup(cfg) -> Run:
               estimator=estimator, actor=actor, ref=ref, critic=critic, rollout_model=rollout_model,
               rollout_copy=rollout_copy, actor_opt=actor_opt, actor_sched=actor_sched, critic_opt=critic_opt,
               critic_sched=critic_sched, kl_ctrl=make_kl_controller(alg.kl_ctrl),
-              kl_loss_ctrl=FixedKLController(a.kl_loss_coef),
+              kl_loss_ctrl=make_kl_loss_controller(a),
               rm=load_rm(cfg, device) if cfg.reward_model.enable else None,
               monitor=KLMonitor(km) if km.enable else None, tracker=None, specs=batching_specs(cfg),
               total_steps=total_steps, bypass=bypass,
@@ -245,11 +307,56 @@ def setup(cfg) -> Run:
                           experiment=t.experiment_name, resume_step=run.start if ckpt else None)
     if ro.use_cuda_graph:  # size the rollout's CUDA-graph engine once, for every call of the run (a no-op on CPU)
         val_rows = min(d.val_batch_size, len(val[rank::W])) * ro.val_kwargs.n if val else 0
-        make_engine(dist.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),
-                    d.max_prompt_length + ro.response_length)
-    if t.val_before_train and val and run.start == 0:
-        run.tracker.log(validate(rollout_model, tok, val, cfg, device, ref), step=0)
+        try:  # its cache within gpu_memory_utilization of the GPU (nanokl/graphs.py: refused, not capped)
+            make_engine(dist.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),
+                        d.max_prompt_length + ro.response_length, ro.gpu_memory_utilization, GMU)
+        except KVBudgetError as e:
+            raise UserError(str(e)) from None
+    # said when set (verl's default is 0.5) where nothing sizes a static cache
+    if rank == 0 and ro.gpu_memory_utilization != 0.5 and (device.type != "cuda" or not ro.use_cuda_graph):
+        print(f"note: {GMU}={ro.gpu_memory_utilization} bounds the CUDA-graph engine's KV cache; eager decoding "
+              "(CPU, use_cuda_graph=false) sizes its cache per call, unchecked", file=sys.stderr)
+    if val and (t.val_only or (t.val_before_train and run.start == 0)):
+        run.tracker.log(validation(run, run.start), step=run.start)
+    if t.val_only:  # verl's trainer.val_only: the validation above is the whole run
+        run.total_steps = run.start
     return run
+
+
+def _max_samples(rows, n, shuffle=False, seed=0):
+    """verl's data.train_max_samples / val_max_samples: n of the rows (-1: all); a seeded random
+    choice when the data are shuffled, else the first n, as verl's RLHFDataset picks them."""
+    if n < 0 or n >= len(rows):
+        return rows
+    if not shuffle:
+        return rows[:n]
+    picked = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n]
+    return [rows[i] for i in sorted(picked.tolist())]
+
+
+def steer_kl_loss(run, metrics) -> None:
+    """An adaptive KL-loss coefficient (actor.kl_loss_ctrl) moves toward its target from this step's
+    KL loss, actor/kl_loss, over the step's responses (kl_ctrl.py); a step without it (critic
+    warm-up, a skipped non-finite update) leaves it where it is."""
+    kl = float(metrics.get("actor/kl_loss", math.nan))
+    if run.kl_loss_ctrl.kind == "adaptive" and math.isfinite(kl):
+        run.kl_loss_ctrl.update(kl, n_steps=run.cfg.data.train_batch_size * run.cfg.actor_rollout_ref.rollout.n)
+        metrics["actor/kl_loss_target"] = run.kl_loss_ctrl.target
+
+
+def validation(run, step) -> dict:
+    """validate() at global step `step`, keeping what it wrote as the config asks (harness/generations.py):
+    trainer.log_val_generations samples to the tracker, all of them to trainer.validation_data_dir."""
+    t = run.cfg.trainer
+    samples = [] if t.log_val_generations > 0 or t.validation_data_dir else None
+    metrics = validate(run.rollout_model, run.tok, run.val, run.cfg, run.device, run.ref, samples=samples)
+    if samples is not None:  # every rank takes part in the gathers; rank 0 writes
+        if t.log_val_generations > 0:
+            run.tracker.log_generations(pick_val_generations(gather(samples), t.log_val_generations), step)
+        if t.validation_data_dir:
+            inputs, outputs, scores, truths = zip(*samples) if samples else ((),) * 4
+            dump_rollout(t.validation_data_dir, step, inputs, outputs, truths, scores)
+    return metrics
 
 
 def steps(run):
@@ -260,6 +367,7 @@ def steps(run):
                          file=sys.stderr, disable=run.rank != 0):
             inject(step, run.rank)  # test-only faults (NANOKL_FAULT); nothing when unset
             run.kl_ctrl.follow(step / run.total_steps)  # a target_kl schedule's target for this step
+            run.kl_loss_ctrl.follow(step / run.total_steps)
             yield step
 
 
@@ -340,9 +448,10 @@ def end_step(run, step, metrics) -> bool:
     last = done == run.total_steps
     if run.val and t.test_freq > 0 and (done % t.test_freq == 0 or last):
         with timer(metrics, "testing", run.device):
-            metrics.update(validate(run.rollout_model, run.tok, run.val, run.cfg, run.device, run.ref))
+            metrics.update(validation(run, done))
     if run.kl_ctrl.kind == "adaptive" and run.cfg.algorithm.use_kl_in_reward:
         metrics["actor/target_kl"] = run.kl_ctrl.target  # moves with a schedule or an adjust
+    steer_kl_loss(run, metrics)
     run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
     if run.nan_streak >= MAX_NAN_STEPS:
         path = save(run, done, healthy=False)

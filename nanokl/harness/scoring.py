@@ -1,16 +1,22 @@
 """Scoring a step's rollouts and the held-out set: the rule, the learned reward model, accuracy.
 
-Training reward. Each response is decoded and judged by the rule of the task data.task names
-(its `score`, nanokl/tasks/: the arithmetic answer check, GSM8K's strict / flexible `#### N`
-match). With `reward_model.enable` a learned reward model scores the same `[prompt | response]`
-token sequences instead (nanokl/supervised/reward_model.py, normalised to mean 0 and std 1 on
+Training reward. Each response is decoded and judged by the run's score function, called once per
+response by verl's `naive` reward manager (nanokl/harness/reward_fn.py): the user's
+custom_reward_function, or the rule of the task data.task names (its `score`, nanokl/tasks/: the
+arithmetic answer check, GSM8K's strict / flexible `#### N` match), or, with data files and no
+data.task, the rule each row's data_source names (verl's default_compute_score). With
+`reward_model.enable` a learned reward model scores the same `[prompt | response]` token sequences
+instead (nanokl/supervised/reward_model.py, normalised to mean 0 and std 1 on
 reference-policy samples), and the rule's verdict is still computed and logged
 (`critic/rule_score/*`): the learned reward is a proxy, and a rising RM score with a flat or
 falling rule score is reward hacking made visible (Gao et al. 2023).
 
 Either way one scalar per response becomes the `[N, R]` tensor PPO adds the KL penalty to:
 `token_level_scores` (nanokl/rewards.py) puts it on the response's last real token. A response
-cut off by the length limit before its EOS gets `missing_eos_penalty` subtracted.
+cut off by the length limit before its EOS gets `missing_eos_penalty` subtracted. With
+trainer.rollout_data_dir, each step's prompts, responses and scores are written there as JSONL, and
+with trainer.log_val_generations validation hands its (input, output, score) samples to the
+caller (nanokl/harness/generations.py).
 
 On-policy KL (`on_policy_kl`, trainer.val_kl_prompts > 0). At each validation the first
 val_kl_prompts held-out prompts are sampled once each at the rollout temperature, and the KL
@@ -20,11 +26,13 @@ error over responses (`val-aux/kl_on_policy_se`). Online it measures again what
 actor/reward_kl_penalty measures; offline, where the training KL is an importance-weighted
 estimate from responses another policy sampled (nanokl/offline.py), it is the check.
 
-Validation always uses the rule (`val-core/<data_source>/acc/mean@n`, greedy by default): it is
-the ground truth the reward model is trying to learn. Under torchrun rank r takes every W-th
-held-out prompt and the sums are all-reduced, so the accuracy is over the whole held-out set.
+Validation always uses the score function, never the reward model
+(`val-core/<data_source>/acc/mean@n`, greedy by default): it is the ground truth the reward model
+is trying to learn. Under torchrun rank r takes every W-th held-out prompt and the sums are
+all-reduced, so the accuracy is over the whole held-out set.
 
-tests/test_scoring.py checks that reward_model.max_length keeps each row's last real tokens.
+tests/test_scoring.py checks that reward_model.max_length keeps each row's last real tokens;
+tests/test_reward_fn.py, each score against a hand loop over the score function, on its last token.
 """
 
 import torch
@@ -34,22 +42,22 @@ from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean
 from nanokl.rewards import token_level_scores
 from nanokl.workers import compute_log_probs
+from nanokl.harness import reward_fn
 from nanokl.harness.data import build_prompts
+from nanokl.harness.generations import dump_rollout, prompt_texts
 from nanokl.graphs import generate
 from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
-from nanokl.tasks import get_task
 
 
-def score_batch(tok, out, examples, cfg, rm=None):
+def score_batch(tok, out, examples, cfg, rm=None, global_step=None):
     """Decode and score by rule; with a reward model (reward_model.enable) the RM's normalised
     score is the reward instead, and the rule score is kept to be logged beside it (a growing gap
     between the two is reward hacking). Each score sits on its response's last token.
+    With trainer.rollout_data_dir and the step's `global_step`, the batch is written there.
     Returns (token-level scores, reward per response, rule score per response)."""
-    score = get_task(cfg.data.task).score
     texts = tok.batch_decode(out.responses, out.response_mask)
     # (logged rows scored by a reward model may carry no ground truth: their rule score is nan, not logged)
-    rule = torch.tensor([score(t, ex, cfg.reward_model.score_method) if "ground_truth" in ex else float("nan")
-                         for t, ex in zip(texts, examples)])
+    rule = torch.tensor(reward_fn.manager(cfg)(reward_fn.scorer(cfg), texts, examples))
     scores = rule
     if rm is not None:
         mask = keep_last_tokens(out.attention_mask, cfg.reward_model.max_length)
@@ -59,16 +67,20 @@ def score_batch(tok, out, examples, cfg, rm=None):
     missing_eos = ~ended | (out.response_mask.sum(-1) == 0)
     token_scores = token_level_scores(scores.tolist(), out.response_mask, missing_eos,
                                       cfg.reward_model.missing_eos_penalty)
+    if global_step is not None and cfg.trainer.rollout_data_dir:
+        dump_rollout(cfg.trainer.rollout_data_dir, global_step, prompt_texts(tok, out), texts,
+                     [ex.get("ground_truth") for ex in examples], token_scores.sum(-1).tolist())
     return token_scores, scores, rule
 
 
 @torch.no_grad()
-def validate(model, tok, val, cfg, device, ref=None):
+def validate(model, tok, val, cfg, device, ref=None, samples=None):
     """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n.
     Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks. Given the reference
-    `ref` and trainer.val_kl_prompts > 0, also the on-policy KL (`on_policy_kl`)."""
+    `ref` and trainer.val_kl_prompts > 0, also the on-policy KL (`on_policy_kl`). Given a list
+    `samples`, this rank's (input, output, score, ground truth) of every response are appended to it."""
     d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
-    score = get_task(d.task).score
+    score = reward_fn.scorer(cfg)
     sources = sorted({ex["data_source"] for ex in val})
     totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) per source, then response lengths
     mine = val[dist.rank()::dist.world()]
@@ -80,10 +92,12 @@ def validate(model, tok, val, cfg, device, ref=None):
                        eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, n=vk.n,
                        generator=torch.Generator(device).manual_seed(cfg.trainer.seed + dist.rank()))
         texts = tok.batch_decode(out.responses, out.response_mask)
-        for j, text in enumerate(texts):
-            ex = chunk[j // vk.n]
-            hit = score(text, ex, cfg.reward_model.score_method)
-            totals[sources.index(ex["data_source"])] += torch.tensor([hit, 1.0])
+        hits = [score(text, chunk[j // vk.n]) for j, text in enumerate(texts)]
+        for j, hit in enumerate(hits):
+            totals[sources.index(chunk[j // vk.n]["data_source"])] += torch.tensor([hit, 1.0])
+        if samples is not None:
+            samples.extend(zip(prompt_texts(tok, out), texts, hits,
+                               [chunk[j // vk.n].get("ground_truth") for j in range(len(texts))]))
         totals[-1] += torch.tensor([out.response_mask.sum().item(), float(len(texts))])
     totals = dist.all_reduce(totals)
     metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}

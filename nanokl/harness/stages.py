@@ -10,13 +10,13 @@ from nanokl.harness.config_io import UserError
 from nanokl.supervised.reward_model import build_ranked_data, load_reward_model
 from nanokl.supervised.reward_model import train_from_config as train_reward_model
 from nanokl.supervised.sft import train_sft
-from nanokl.tasks import TASKS
+from nanokl.tasks import get_task
 
 
 def train_missing_stages(cfg, rank):
     """The warm start (reference policy) and the reward model, when the config says how to make them."""
     model_path, rm_path = Path(cfg.actor_rollout_ref.model.path), cfg.reward_model.model.path
-    if (not (model_path / "config.json").exists() and TASKS[cfg.data.task].demonstrations is not None
+    if (not (model_path / "config.json").exists() and get_task(cfg.data.task).demonstrations is not None
             and model_path == Path(cfg.sft.output_dir)):
         if rank == 0:
             print(f"no reference policy at {model_path}: training the warm start first (nanokl.supervised.sft)",

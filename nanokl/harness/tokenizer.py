@@ -16,6 +16,9 @@ runs directly; `tokenizer_config.json` names the special tokens (`eos_token`, `p
 - Prompt templates: "plain" feeds the text as is; "chatml" wraps it in the chat format that Qwen
   instruct models were trained on:
       <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n
+- The model's own chat template (`Tokenizer.apply_chat_template`): the Jinja program in
+  tokenizer_config.json's `chat_template` (or chat_template.jinja), rendered as transformers renders
+  it (nanokl/harness/chat_template.py). A tokenizer without one (the built-in) writes ChatML.
 - A small byte-level BPE tokenizer trained on the built-in synthetic task, with digits split one
   per token (so the model sees numbers digit by digit, which makes arithmetic learnable), saved as
   `tokenizer.json` + `tokenizer_config.json` next to the weights so `transformers` loads it too.
@@ -23,7 +26,8 @@ runs directly; `tokenizer_config.json` names the special tokens (`eos_token`, `p
 Byte-level BPE (GPT-2; Sennrich et al. 2016 for BPE) maps every byte to a symbol first, so any
 text encodes without an unknown token and decodes back exactly. tests/test_tokenizer.py checks
 left padding and truncation against hand-made expectations, exact round trips, and that
-`transformers`' tokenizer loading the same file gives the same ids.
+`transformers`' tokenizer loading the same file gives the same ids; tests/test_chat_template.py,
+that a chat template renders as transformers' `apply_chat_template` renders it.
 """
 
 import json
@@ -33,6 +37,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from nanokl.harness.chat_template import SPECIAL_TOKENS, render
 from nanokl.harness.config_io import UserError
 
 CHATML = "<|im_start|>{role}\n{content}<|im_end|>\n"
@@ -44,8 +49,12 @@ def _token_str(tok):
 
 
 class Tokenizer:
-    def __init__(self, tok: HFTokenizer, eos_token: str, pad_token: str | None = None, extra_eos_ids=()):
+    def __init__(self, tok: HFTokenizer, eos_token: str, pad_token: str | None = None, extra_eos_ids=(),
+                 chat_template: str | None = None, special_tokens: dict | None = None, source: str = "tokenizer"):
         self.tok = tok
+        # the model's chat template (None: ChatML) and the named special tokens it may read
+        self.chat_template, self.source = chat_template, source
+        self.special_tokens = special_tokens if special_tokens is not None else {"eos_token": eos_token}
         self.eos_token = eos_token
         self.pad_token = pad_token or eos_token  # no pad token: pad with eos (masked out anyway)
         self.eos_token_id = self._id(self.eos_token)
@@ -62,6 +71,14 @@ class Tokenizer:
     @property
     def vocab_size(self):
         return self.tok.get_vocab_size()
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """The text the model reads for chat `messages` ([{"role", "content"}, ...]), as transformers'
+        `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)` writes it."""
+        if self.chat_template is None:
+            return chatml(messages, add_generation_prompt)
+        return render(self.chat_template, messages, self.special_tokens, add_generation_prompt,
+                      where=f"{self.source}: chat_template")
 
     def encode_one(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -108,6 +125,10 @@ class Tokenizer:
         self.tok.save(str(path / "tokenizer.json"))
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token,
                "pad_token": self.pad_token, "model_max_length": 1 << 30, "padding_side": "left"}
+        # a checkpoint of a chat model keeps its chat format: a resumed run renders prompts alike
+        cfg.update({k: v for k, v in self.special_tokens.items() if k not in cfg})
+        if self.chat_template is not None:
+            cfg["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -146,10 +167,27 @@ def load_tokenizer(path) -> Tokenizer:
         eos = tok.id_to_token(extra[0])
         if eos is None:
             raise UserError(f"{path}: eos_token_id {extra[0]} (generation_config.json) is not in the vocabulary")
+    specials = {k: _token_str(tcfg[k]) for k in SPECIAL_TOKENS if isinstance(_token_str(tcfg.get(k)), str)}
     try:
-        return Tokenizer(tok, eos, pad, extra)
+        return Tokenizer(tok, eos, pad, extra, chat_template=_chat_template(path, tcfg), special_tokens=specials,
+                         source=str(path))
     except UserError as e:  # a special token the vocabulary lacks: say which directory's
         raise UserError(f"{path}: {e}") from None
+
+
+def _chat_template(path: Path, tcfg: dict) -> str | None:
+    """tokenizer_config.json's chat_template (a string, or a list of named ones: the "default"),
+    else chat_template.jinja's text (where newer transformers saves it), else None."""
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{path}: chat_template (tokenizer_config.json) must be a string or a list of "
+                        "{name, template} with a 'default'")
+    return template
 
 
 def _json_object(file: Path) -> dict:
@@ -178,11 +216,17 @@ def train_tokenizer(texts, vocab_size=512, eos_token="<|endoftext|>", pad_token=
     return Tokenizer(tok, eos_token, pad_token)
 
 
+def chatml(messages: list, add_generation_prompt: bool = True) -> str:
+    """Chat messages in ChatML, each turn `<|im_start|>role\\ncontent<|im_end|>\\n`, then the assistant's header."""
+    turns = "".join(CHATML.format(role=m["role"], content=m["content"]) for m in messages)
+    return turns + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
 def apply_template(prompt: str, template="plain", system_prompt=None) -> str:
     """The text the model is conditioned on: `prompt` as is, or wrapped in ChatML."""
     if template == "plain":
         return prompt if system_prompt is None else f"{system_prompt}\n{prompt}"
     if template == "chatml":
-        sys = CHATML.format(role="system", content=system_prompt) if system_prompt is not None else ""
-        return sys + CHATML.format(role="user", content=prompt) + "<|im_start|>assistant\n"
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        return chatml(system + [{"role": "user", "content": prompt}])
     raise UserError(f"unknown prompt template {template!r} (valid: plain, chatml)")

@@ -7,9 +7,17 @@ and the README's numbers read; prints a one-line summary through tqdm so the pro
 intact; and forwards it to TensorBoard or Weights & Biases only when the package is installed and
 `trainer.logger` asks for it (verl's `Tracking` does the same with more backends).
 
+Validation samples (trainer.log_val_generations; which ones: nanokl/harness/generations.py) are
+text, not numbers, so they go beside metrics.jsonl, not into it: `log_generations` appends one
+line per sample, {"step", "input", "output", "score"}, to `<run dir>/val_generations.jsonl`, and
+keeps metrics.jsonl all numbers for the readers that expect it. W&B gets verl's table
+`val/generations` (a row per validation: step, then input_i, output_i, score_i), TensorBoard
+verl's text panel of the same name.
+
 A resumed run redoes the steps after its checkpoint, which a crashed run may already have logged.
 Before it appends, the tracker drops those rows (`drop_rows_after`: a new file renamed over the
-old, so a crash while it does so leaves one or the other), and metrics.jsonl holds each step once.
+old, so a crash while it does so leaves one or the other), and metrics.jsonl holds each step once;
+val_generations.jsonl likewise.
 """
 
 import json
@@ -46,10 +54,10 @@ def console_line(step, metrics: dict) -> str:
     return " | ".join(parts)
 
 
-def drop_rows_after(path, step: int) -> int:
-    """Keep only the rows of metrics.jsonl logged for global steps <= `step` (and drop a last line cut
-    by a crash mid-write); returns how many rows went. Atomic: the kept rows are written to a new
-    file, synced, and renamed over the old one."""
+def drop_rows_after(path, step: int, key: str = "training/global_step") -> int:
+    """Keep only the rows of metrics.jsonl (or another JSONL whose rows say their step under `key`)
+    logged for global steps <= `step` (and drop a last line cut by a crash mid-write); returns how
+    many rows went. Atomic: the kept rows are written to a new file, synced, and renamed over the old one."""
     path = Path(path)
     if not path.is_file():
         return 0
@@ -63,7 +71,7 @@ def drop_rows_after(path, step: int) -> int:
             except json.JSONDecodeError:
                 dropped += 1
                 continue
-            if row.get("training/global_step", 0) <= step:
+            if row.get(key, 0) <= step:
                 keep.append(line if line.endswith("\n") else line + "\n")
             else:
                 dropped += 1
@@ -77,20 +85,25 @@ def drop_rows_after(path, step: int) -> int:
     return dropped
 
 
+GENERATIONS = "val_generations.jsonl"  # beside metrics.jsonl: validation samples, text (log_generations)
+
+
 class Tracker:
     def __init__(self, run_dir, backends=("console", "jsonl"), config: dict | None = None, enabled=True,
                  project="nanokl", experiment="default", resume_step: int | None = None):
         self.enabled, self.backends = enabled, set(backends)
-        self.file = self.tb = self.wandb = None
+        self.file = self.tb = self.wandb = self.generations = self.table = None
         if not enabled:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
         if resume_step is not None:  # the steps after the checkpoint are about to be logged again
-            dropped = drop_rows_after(run_dir / "metrics.jsonl", resume_step)
-            if dropped:
-                print(f"tracking: dropped {dropped} row(s) of metrics.jsonl logged after step {resume_step}, "
-                      "which this run redoes", file=sys.stderr)
+            for name, key in (("metrics.jsonl", "training/global_step"), (GENERATIONS, "step")):
+                dropped = drop_rows_after(run_dir / name, resume_step, key)
+                if dropped:
+                    print(f"tracking: dropped {dropped} row(s) of {name} logged after step {resume_step}, "
+                          "which this run redoes", file=sys.stderr)
         self.file = open(run_dir / "metrics.jsonl", "a")
         if "tensorboard" in self.backends:
             try:
@@ -119,9 +132,33 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(row, step=step)
 
+    def log_generations(self, samples, step: int):
+        """Validation samples [(input, output, score), ...] of step `step` (the module docstring)."""
+        if not self.enabled or not samples:
+            return
+        if self.generations is None:
+            self.generations = open(self.run_dir / GENERATIONS, "a", encoding="utf-8")
+        for inp, out, score in samples:
+            row = {"step": step, "input": inp, "output": out, "score": _plain(score)}
+            self.generations.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.generations.flush()
+        if self.tb is not None:
+            text = "".join(f"### Sample {i + 1}\n**Input:** {inp}\n\n**Output:** {out}\n\n**Score:** {score}\n\n---\n\n"
+                           for i, (inp, out, score) in enumerate(samples))
+            self.tb.add_text("val/generations", f"**Generation Results - Step {step}**\n\n" + text, step)
+        if self.wandb is not None:
+            import wandb
+            columns = ["step"] + [f"{c}_{i + 1}" for i in range(len(samples)) for c in ("input", "output", "score")]
+            # a new table holding the old rows each time: W&B shows only a table's first logged version otherwise
+            self.table = wandb.Table(columns=columns, data=self.table.data if self.table is not None else None)
+            self.table.add_data(step, *[x for sample in samples for x in sample])
+            self.wandb.log({"val/generations": self.table}, step=step)
+
     def close(self):
         if self.file:
             self.file.close()
+        if self.generations:
+            self.generations.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

@@ -22,19 +22,40 @@ A task is a plain module with three things, and nothing else in nanokl names a t
         `demonstrations = None` for a task without any: its policy must come from elsewhere
         (actor_rollout_ref.model.path).
 
+    SOURCE: str (optional)
+        The data_source its examples carry. `SOURCES` maps each to its task, so a row of verl's
+        data names its own rule, as verl's default_compute_score does: with data files and no
+        data.task, every row is scored by the task of its data_source (nanokl/tasks/by_source.py).
+
 The same seed gives the same examples in the same order, so a run, its resume and its reward
 model all see the same prompts. A new task is one file here, one line in TASKS, and its test
 (tests/test_tasks.py shows a task defined in the test alone driving train_ppo.py).
 """
 
 from nanokl.harness.config_io import UserError
-from nanokl.tasks import arith, gsm8k
+from nanokl.tasks import arith, by_source, gsm8k
 
 TASKS = {"arith": arith, "gsm8k": gsm8k}
 
+# data_source -> the task whose rule scores it: {"arith": arith, "openai/gsm8k": gsm8k}
+SOURCES = {task.SOURCE: task for task in TASKS.values() if hasattr(task, "SOURCE")}
 
-def get_task(name: str):
-    """The task module called `name`, or a UserError listing the known ones."""
+
+def get_task(name: str | None):
+    """The task module called `name` (None: rows from data files, each scored by its data_source),
+    or a UserError listing the known ones."""
+    if name is None:
+        return by_source
     if name not in TASKS:
         raise UserError(f"unknown task {name!r} (data.task; known: {', '.join(TASKS)})")
     return TASKS[name]
+
+
+def source_task(data_source: str):
+    """The task whose rule scores rows of `data_source`, or a one-line UserError naming the known
+    sources and the way to bring one's own rule."""
+    if data_source not in SOURCES:
+        raise UserError(f"no reward rule for data_source {data_source!r} (known: {', '.join(SOURCES)}); "
+                        "score it with your own function: custom_reward_function.path=<file.py> "
+                        "custom_reward_function.name=<function>, or set data.task to score every row with one task")
+    return SOURCES[data_source]
