@@ -47,8 +47,7 @@ from nanokl import dist
 from nanokl.advantages import ESTIMATORS
 from nanokl.batching import Batching
 from nanokl.harness import remedies, variants
-from nanokl.harness.checkpoint import (CheckpointWriteError, latest_checkpoint, load_state, rng_state,
-                                      save_checkpoint, set_rng_state, verify_checkpoint)
+from nanokl.harness.checkpoint import latest_checkpoint, verify_checkpoint
 from nanokl.harness.config import config_to_dict, save_config
 from nanokl.harness.config_io import ConfigError, UserError
 from nanokl.harness.config_rules import startup_notes, validate as validate_config
@@ -59,12 +58,14 @@ from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
 from nanokl.harness.monitor import CHECKS, KLMonitor
+from nanokl.harness.optim import make_optimizer
 from nanokl.harness.reward_fn import check_sources
 from nanokl.harness.scoring import validate
+from nanokl.harness.run_state import TrainingStopped, _restore, resume, save
 from nanokl.harness.stages import load_rm, train_missing_stages
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
-from nanokl.kl_ctrl import FixedKLController, make_kl_controller, make_kl_loss_controller
+from nanokl.kl_ctrl import make_kl_controller, make_kl_loss_controller
 from nanokl.fused import fuse_for_rollout
 from nanokl.graphs import KVBudgetError, make_engine
 from nanokl.tasks import get_task
@@ -72,11 +73,6 @@ from nanokl.workers import rollout_log_probs_are_old
 
 GMU = "actor_rollout_ref.rollout.gpu_memory_utilization"
 MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before the run stops
-
-
-class TrainingStopped(Exception):
-    """The run cannot continue (repeated NaN losses: a checkpoint was saved first; a checkpoint that
-    could not be written: the previous one is intact)."""
 
 
 @dataclass
@@ -118,27 +114,6 @@ class Run:
     nan_streak: int = 0
     healthy_step: int | None = None  # the last checkpoint a rollback may return to
     preempt: Preemption | None = None  # set by steps(): a SIGTERM / SIGUSR1 ends the run after its step
-
-
-def lr_lambda(optim, total_steps):
-    """Linear warm-up, then constant or cosine down to min_lr_ratio (verl's two schedules)."""
-    warm = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
-
-    def f(step):
-        if step < warm:
-            return (step + 1) / warm
-        if optim.lr_scheduler_type == "cosine":
-            progress = (step - warm) / max(1, total_steps - warm)
-            return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-    return f
-
-
-def make_optimizer(model, optim, total_steps, offload_state=False):
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
-    if offload_state:  # fsdp_config.optimizer_offload alone: the state waits on CPU between steps (nanokl/dist.py)
-        dist.offload_optimizer(opt)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
 
 
 def batching_specs(cfg) -> dict:
@@ -369,71 +344,6 @@ def steps(run):
             run.kl_ctrl.follow(step / run.total_steps)  # a target_kl schedule's target for this step
             run.kl_loss_ctrl.follow(step / run.total_steps)
             yield step
-
-
-def _models(run):
-    return (("actor", run.actor, run.actor_opt, run.actor_sched),
-            *((("critic", run.critic, run.critic_opt, run.critic_sched),) if run.critic is not None else ()))
-
-
-def _restore(run, path, weights=False):
-    """Optimizer states (+ weights, for a rollback) from checkpoint `path`; returns (the LR
-    schedulers' states by name, the trainer state). Only rank 0 reads optim.pt and the weights;
-    the other ranks receive them tensor by tensor (dist.load_optimizer_state, load_full_state_dict)."""
-    optim_state, state = load_state(path, read_optim=run.rank == 0)
-    optim_state = optim_state or {}
-    for name, model, opt, _ in _models(run):
-        if weights:
-            load = from_pretrained if name == "actor" else load_value_model
-            dist.load_full_state_dict(model, load(path / name).state_dict() if run.rank == 0 else {})
-        dist.load_optimizer_state(model, opt, optim_state.get(name, {}))
-    if weights and run.rollout_copy:
-        dist.sync_rollout_weights(run.rollout_model, run.actor)
-    scheds = dist.broadcast_object({k: v for k, v in optim_state.items() if k.endswith("_sched")})
-    return scheds, state
-
-
-def resume(run, ckpt):
-    """Continue a run from checkpoint `ckpt` exactly where it stopped."""
-    scheds, state = _restore(run, ckpt)
-    for name, _, _, sched in _models(run):
-        sched.load_state_dict(scheds[f"{name}_sched"])
-    if state["kl_ctrl"].get("type") == "fixed" and run.kl_ctrl.kind != "fixed":  # the fixed_kl rollback froze it
-        run.kl_ctrl = FixedKLController(state["kl_ctrl"]["value"])
-    run.kl_ctrl.load_state_dict(state["kl_ctrl"])
-    if "kl_loss_ctrl" in state:  # a rollback may have raised it
-        run.kl_loss_ctrl.load_state_dict(state["kl_loss_ctrl"])
-    if run.monitor and "monitor" in state:
-        run.monitor.load_state_dict(state["monitor"])
-        remedies.restore(run)
-    set_rng_state(state["rng"])
-    run.start, run.nan_streak, run.healthy_step = state["global_step"], state.get("nan_streak", 0), state.get(
-        "healthy_step")
-    if run.rank == 0:
-        print(f"resumed from {ckpt} at step {run.start}", file=sys.stderr)
-
-
-def save(run, step, healthy=True) -> Path:
-    """Every rank gathers (a collective), rank 0 writes full HF weights + name-keyed optimizer state."""
-    run.healthy_step = step if healthy else run.healthy_step
-    weights = {name: (dist.unwrap(m), dist.full_state_dict(m)) for name, m, _, _ in _models(run)}
-    optim = {}
-    for name, model, opt, sched in _models(run):
-        optim.update({name: dist.optimizer_state(model, opt), f"{name}_sched": sched.state_dict()})
-    state = {"kl_ctrl": run.kl_ctrl.state_dict(), "kl_loss_ctrl": run.kl_loss_ctrl.state_dict(), "rng": rng_state(),
-             "nan_streak": run.nan_streak, "healthy_step": run.healthy_step,
-             **({"monitor": run.monitor.state_dict()} if run.monitor else {})}
-    path, failed = run.run_dir / "checkpoints" / f"global_step_{step}", None
-    if run.rank == 0:
-        try:
-            path = save_checkpoint(run.run_dir, step, weights, optim, state, tokenizer=run.tok,
-                                   keep=run.cfg.trainer.max_actor_ckpt_to_keep)
-        except CheckpointWriteError as e:
-            failed = str(e)
-    failed = dist.broadcast_object(failed)  # every rank stops, none waits forever for rank 0
-    if failed:
-        raise TrainingStopped(f"{failed}; the previous checkpoint is untouched")
-    return path
 
 
 def _say(run, message):

@@ -1,0 +1,29 @@
+"""The optimizers of a run and verl's two learning-rate schedules: AdamW, a linear warm-up, then a
+constant or cosine rate (down to min_lr_ratio of the base)."""
+
+import math
+
+import torch
+
+from nanokl import dist
+
+
+def lr_lambda(optim, total_steps):
+    """Linear warm-up, then constant or cosine down to min_lr_ratio (verl's two schedules)."""
+    warm = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+
+    def f(step):
+        if step < warm:
+            return (step + 1) / warm
+        if optim.lr_scheduler_type == "cosine":
+            progress = (step - warm) / max(1, total_steps - warm)
+            return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+    return f
+
+
+def make_optimizer(model, optim, total_steps, offload_state=False):
+    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    if offload_state:  # fsdp_config.optimizer_offload alone: the state waits on CPU between steps (nanokl/dist.py)
+        dist.offload_optimizer(opt)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
