@@ -168,10 +168,10 @@ def build_preference_data(policy_dir, out_path, num_prompts, n=4, seed=0, val_ou
                           data=None, template="plain", max_new_tokens=32, temperature=1.0,
                           batch_size=256, device=None) -> dict:
     """Sample n responses per prompt of the task (`data`: the config's data section, which names
-    the task and holds its knobs; None: the defaults) from the policy, rank them by the synthetic
+    the task and holds its knobs; None: the arithmetic task's defaults) from the policy, rank them by the synthetic
     preference, write the ranking JSONL (train to `out_path`, held-out prompts to `val_out_path`).
     Returns counts: rows written and prompts skipped (fewer than two distinct responses) per split."""
-    data = DataConfig() if data is None else data
+    data = DataConfig(task="arith") if data is None else data
     task = get_task(data.task)
     policy = from_pretrained(policy_dir, device=device).eval()
     tok = load_tokenizer(policy_dir)
