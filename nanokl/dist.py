@@ -129,18 +129,21 @@ def init():
 def local_device(setting="auto"):
     """This process's device for trainer.device = cpu | cuda | auto (CUDA when there is one);
     on CUDA the GPU torchrun gave it (LOCAL_RANK). `auto` on a CUDA build of torch that finds no
-    usable GPU says why on stderr, once: a driver older than the build needs otherwise looks like
-    a run that chose the CPU (torch 2.14's cu130 wheels need driver >= 580)."""
+    usable GPU on a machine that has one (a driver loaded, or torch warning about CUDA) says why on
+    stderr, once: a driver older than the build needs otherwise looks like a run that chose the CPU
+    (torch 2.14's cu130 wheels need driver >= 580)."""
     if setting == "cpu":
         return torch.device("cpu")
     if setting == "auto":
         with warnings.catch_warnings(record=True) as caught:  # torch warns at most once: keep it
             warnings.simplefilter("always")
             usable = torch.cuda.is_available()
-        said = None
-        if not usable and torch.version.cuda and not _SAID_CPU:
+        said = next((w for w in caught if "cuda" in str(w.message).lower()), None) if not usable else None
+        # a CUDA build of torch on a machine with no GPU (no driver loaded, torch silent) is ordinary:
+        # say nothing; a driver or torch's own CUDA warning means a GPU this run cannot use
+        gpu_here = said is not None or Path(_DRIVER_FILE).exists()
+        if not usable and torch.version.cuda and gpu_here and not _SAID_CPU:
             _SAID_CPU.append(True)
-            said = next((w for w in caught if "cuda" in str(w.message).lower()), None)
             print(f"nanokl: trainer.device=auto runs on the CPU: {_why_no_cuda(said)}", file=sys.stderr)
         for w in caught:  # the others reach the caller's filters as if never caught
             if w is not said:

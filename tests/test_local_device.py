@@ -1,5 +1,6 @@
 """nanokl.dist.local_device: trainer.device=auto on a CUDA build of torch that finds no usable GPU
-runs on the CPU and says why, on stderr, once; everywhere else it is silent.
+runs on the CPU and, where the machine has a GPU (a driver loaded, or torch warning about CUDA), says
+why on stderr, once; everywhere else (a CUDA wheel on a machine without a GPU too) it is silent.
 
 The machine is simulated (monkeypatched torch.cuda.is_available, torch.version.cuda, the driver's
 version file): torch 2.14.1+cu130 on a 570 driver, the case that would otherwise look like a run
@@ -55,8 +56,11 @@ def test_auto_on_a_driver_too_old_says_why_once(monkeypatch, tmp_path, capsys):
     assert not shown  # torch's warning is in the line, not repeated
 
 
-def test_auto_without_a_driver_says_so(monkeypatch, tmp_path, capsys):
-    machine(monkeypatch, tmp_path, cuda="12.8", driver=None, warn=None)
+def test_auto_without_a_driver_says_so_only_when_torch_saw_a_gpu(monkeypatch, tmp_path, capsys):
+    machine(monkeypatch, tmp_path, cuda="12.8", driver=None, warn=None)  # a CUDA wheel on a CPU machine
+    assert D.local_device() == torch.device("cpu")
+    assert capsys.readouterr().err == ""
+    machine(monkeypatch, tmp_path, cuda="12.8", driver=None)  # no driver file, but torch found a GPU it cannot use
     assert D.local_device() == torch.device("cpu")
     err = capsys.readouterr().err
     assert "CUDA 12.8, which needs NVIDIA driver >= 525" in err and "no NVIDIA driver loaded" in err
