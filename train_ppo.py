@@ -2,6 +2,7 @@
 
     python train_ppo.py                                        # CPU: the arithmetic task (configs/arith_tiny.yaml)
     python train_ppo.py --config configs/grpo_arith.yaml       # GRPO with a KL loss instead of a critic
+    python train_ppo.py --config configs/dapo_arith.yaml       # DAPO: clip-higher, dynamic sampling, no KL
     torchrun --nproc_per_node=8 train_ppo.py --config configs/gsm8k_qwen2.5_0.5b.yaml actor_rollout_ref.model.path=...
 
 `ppo_step` is one step of verl's RayPPOTrainer.fit, in the order the data flows:
@@ -13,13 +14,16 @@
                  importance weights when another policy sampled                        nanokl/workers.py, offline.py
   4. KL          in the reward: r_t = score_t - beta * KL_t, beta steered toward
                  target_kl; and/or in the loss (actor.use_kl_loss, step 6)             nanokl/rewards.py, kl_ctrl.py
-  5. advantages  GAE with the critic, or a group baseline (GRPO, RLOO)                   nanokl/advantages.py
+  5. advantages  GAE with the critic, or a baseline: the group's (GRPO, RLOO, ...), the
+                 greedy response's (ReMax)                                             nanokl/advantages.py
   6. update      ppo_epochs x mini-batches x micro-batches of the clipped value and
                  policy losses (+ KL loss, - entropy bonus)                            nanokl/workers.py, ppo.py
   7. metrics     verl's names, reduced over all ranks                                  harness/metrics.py
 Where configs differ, a step is replaced, not branched: `run.respond` samples (or, offline, draws
-logged responses: nothing is generated), `run.old_log_probs` recomputes (or takes the rollout's when
-the sampler is the fp32 actor itself: bypass), and so on; setup chooses each once
+logged responses: nothing is generated; or, with DAPO's dynamic sampling, samples rounds until enough
+prompts' responses disagree), `run.old_log_probs` recomputes (or takes the rollout's when the sampler
+is the fp32 actor itself: bypass), `run.correct` weighs and rejects tokens another policy sampled,
+`run.baselines` rolls out greedily for ReMax, and so on; setup chooses each once
 (nanokl/harness/variants.py). DPO is another algorithm (no score, no advantages, a pair loss):
 `dpo_step`. `main` is the loop around them. Everything that is not the step (models, resume,
 checkpoints, validation, the KL monitor's warn/stop/rollback, logging) is the harness:
@@ -58,29 +62,32 @@ def ppo_step(run, step) -> dict:
 
     # 1. rollout: n responses per prompt, with the sampler's log-prob of each token (mu's)
     with timer(metrics, "gen", device):
-        out, examples = run.respond(run, rows=rows, step=step, generator=gen)
+        out, examples = run.respond(run, rows=rows, step=step, generator=gen, metrics=metrics)
     batch, rmask = workers.rollout_batch(out), out.response_mask
 
     # 2. score each response (the task's rule, or the reward model); the score sits on its last token
     with timer(metrics, "reward", device):
-        scores, seq_scores, rule_scores = score_batch(run.tok, out, examples, cfg, run.rm, global_step=step + 1)
+        scores, seq_scores, rule_scores = score_batch(run.tok, out, examples, cfg, run.rm, global_step=step + 1,
+                                                      metrics=metrics)
 
-    # 3. forwards: old log-probs + entropy, reference log-probs, values; importance weights min(pi_old/mu, C)
+    # 3. forwards: old log-probs + entropy, reference log-probs, values; importance weights min(pi_old/mu, C),
+    #    and rejection: tokens far off pi_old leave the mask the losses read
     batch["old_log_probs"], entropy = run.old_log_probs(run, batch, out, metrics)
     with timer(metrics, "ref", device):
         batch["ref_log_probs"], _ = workers.compute_log_probs(run.ref, batch, ro.temperature, spec=run.specs["ref"])
     batch["values"] = run.values(run, batch, metrics)
-    batch["is_weights"], is_metrics = run.correct(run, batch, out.log_probs)
+    batch["is_weights"], batch["response_mask"], is_metrics = run.correct(run, batch, out.log_probs)
     metrics.update(is_metrics)
 
     with timer(metrics, "adv", device):
         # 4. KL in the reward: r_t = score_t - beta * KL_t, and the controller moves beta
         rewards, kl_metrics = run.kl_reward(run, batch, scores)
         metrics.update(kl_metrics)
-        # 5. advantages: GAE with the critic (whitened over all ranks), or a group baseline
+        # 5. advantages: GAE with the critic (whitened over all ranks), or a baseline (the group; remax: greedy)
         index = torch.arange(len(rows)).repeat_interleave(ro.n)  # the prompt of each response
         batch["advantages"], batch["returns"] = run.estimator.fn(rewards, rmask, batch["values"], index, alg,
-                                                                 dist.all_reduce_moments)
+                                                                 dist.all_reduce_moments,
+                                                                 baselines=run.baselines(run, examples, metrics))
 
     # 6. update: critic first (verl's order), then the actor once critic_warmup has passed
     update = run.update_critic(run, batch, shuffle, metrics)
@@ -110,12 +117,12 @@ def dpo_step(run, step) -> dict:
     metrics, t_step = {}, time.perf_counter()
     rows, gen, shuffle = step_seeds(run, step)
     with timer(metrics, "gen", device):
-        out, _ = run.respond(run, rows=rows, step=step, generator=gen)
+        out, _ = run.respond(run, rows=rows, step=step, generator=gen, metrics=metrics)
     batch = workers.rollout_batch(out)
     batch["old_log_probs"], entropy = run.old_log_probs(run, batch, out, metrics)
     with timer(metrics, "ref", device):
         batch["ref_log_probs"], _ = workers.compute_log_probs(run.ref, batch, ro.temperature, spec=run.specs["ref"])
-    batch["is_weights"], is_metrics = run.correct(run, batch, out.log_probs)
+    batch["is_weights"], batch["response_mask"], is_metrics = run.correct(run, batch, out.log_probs)
     metrics.update(is_metrics)
     with timer(metrics, "adv", device):  # the policy's KL, for the controller and the monitor: no reward to pay it
         metrics.update(run.kl_reward(run, batch, torch.zeros_like(batch["old_log_probs"]))[1])

@@ -53,8 +53,7 @@ from nanokl import dist
 from nanokl.batching import Batching, pack, split
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean, zero_masked
-from nanokl.ppo import (agg_loss, compute_policy_loss, compute_value_loss, entropy_from_logits,
-                        logprobs_from_logits)
+from nanokl.ppo import POLICY_LOSSES, agg_loss, compute_value_loss, entropy_from_logits, logprobs_from_logits
 
 
 AUTOCAST = {"cuda": torch.bfloat16}  # device type -> compute dtype of every forward (none: fp32)
@@ -225,7 +224,7 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
         mb_all = take(batch, idx)
         mask_all = mb_all["response_mask"]
         norm, tokens = dist.all_reduce(torch.stack([loss_norm(mask_all, mode), mask_all.sum().float()]))  # one collective
-        tokens = tokens.clamp(min=1)
+        norm, tokens = norm.clamp(min=1), tokens.clamp(min=1)  # no real token (all rejected: rollout_rs): a loss of 0
         groups = split(mb_all, spec, agreed_count)
         finite, sums, means = True, defaultdict(float), defaultdict(float)
         for j, rows in enumerate(groups):
@@ -257,8 +256,9 @@ def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(
                  kl_loss_coef: float, ref=None, record_entropy=False):
     """PPO epochs over the batch with the clipped policy loss (+ KL loss, − entropy bonus).
 
-    `a` is the config's actor_rollout_ref.actor; `batch` holds the rollout tensors, old_log_probs,
-    advantages, is_weights (None, or the importance weights of responses another policy sampled,
+    `a` is the config's actor_rollout_ref.actor (its policy_loss.loss_mode picks the loss from
+    nanokl/ppo.py's POLICY_LOSSES: vanilla, gspo or cispo, one signature); `batch` holds the
+    rollout tensors, old_log_probs, advantages, is_weights (None, or the importance weights of responses another policy sampled,
     nanokl/offline.py: they weigh each token's policy and KL loss) and ref_log_probs; `mini_size`
     counts responses (ppo_mini_batch_size x rollout.n). `kl_loss_coef` weighs the KL loss (the
     trainer's controller holds it, so a remedy can raise it); `ref`, the reference model, is needed
@@ -266,7 +266,7 @@ def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(
     names, entropy): with `record_entropy` the [N, R] entropy of each response token from the first
     pass over its row (no extra forward: the trainer's actor/entropy when the old log-probs came from
     the rollout), else None."""
-    mode = a.loss_agg_mode
+    mode, policy_loss = a.loss_agg_mode, POLICY_LOSSES[a.policy_loss.loss_mode]  # vanilla | gspo | cispo
     kl_loss = None
     if a.use_kl_loss:
         kl_loss = exact_kl_loss(ref, temperature, spec, mode, horizon) if a.kl_loss_type == "full" else \
@@ -282,9 +282,9 @@ def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(
         logp = logprobs_from_logits(logits, mb["responses"])
         if first_pass is not None:
             first_pass.record(mb["row"], logits)
-        pg_loss, m = compute_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
-                                         a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon,
-                                         is_weights=mb.get("is_weights"))
+        pg_loss, m = policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
+                                 a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon,
+                                 is_weights=mb.get("is_weights"))
         loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}
         if a.entropy_coeff:
             loss = loss - a.entropy_coeff * agg_loss(entropy_from_logits(logits), mask, mode, norm, horizon)

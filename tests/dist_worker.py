@@ -44,6 +44,8 @@ from nanokl.batching import Batching, token_budget_micro_batches  # noqa: E402
 from nanokl.advantages import compute_gae_advantage_return  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
 
+VANILLA = SimpleNamespace(loss_mode="vanilla")  # actor.policy_loss: the clipped PPO loss
+
 REFERENCES = {"token-mean": ("token-mean", "float32"), "seq-mean-token-mean": ("seq-mean-token-mean", "float32"),
               "token-mean-bf16": ("token-mean", "bfloat16")}
 
@@ -159,7 +161,8 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
                                             whiten_stats=dist.all_reduce_moments)
     batch.update(advantages=adv, returns=ret)
 
-    a = SimpleNamespace(loss_mode="ppo", loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+    a = SimpleNamespace(loss_mode="ppo", policy_loss=VANILLA,
+                        loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
                         entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.1,
                         ppo_epochs=2, shuffle=False, grad_clip=1.0)
     c = SimpleNamespace(loss_agg_mode=mode, cliprange_value=0.5, ppo_epochs=2, shuffle=False, grad_clip=1.0)

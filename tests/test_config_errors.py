@@ -117,6 +117,41 @@ def test_impossible_value_names_the_key_and_the_argument(override, key):
     assert key in msg and f"argument '{override}'" in msg
 
 
+FG, RC, OB = "algorithm.filter_groups.", "algorithm.rollout_correction.", "reward_model.overlong_buffer."
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([f"{FG}enable=true", f"{FG}metric=acc"], "algorithm.filter_groups.enable keeps the prompts whose rollout.n >= 2"),
+    ([f"{FG}enable=true", "actor_rollout_ref.rollout.n=2"], "algorithm.filter_groups.metric must be one of acc, score, "
+                                                            "seq_reward when algorithm.filter_groups.enable"),
+    ([f"{FG}enable=true", f"{FG}metric=seq_final_reward", "actor_rollout_ref.rollout.n=2"],
+     "got 'seq_final_reward'"),
+    ([f"{RC}rollout_rs=token_k1"], "algorithm.rollout_correction.rollout_rs_threshold must be set with"),
+    ([f"{RC}rollout_rs=token_k4", f"{RC}rollout_rs_threshold=2.0"],
+     "algorithm.rollout_correction.rollout_rs must list options among token_k1"),
+    ([f"{RC}rollout_rs=seq_max_k2", f"{RC}rollout_rs_threshold='0.5_2.0'"],
+     "algorithm.rollout_correction.rollout_rs_threshold '0.5_2.0' for seq_max_k2: k2/k3 take an upper bound only"),
+    ([f"{RC}rollout_rs=token_k1,seq_max_k2", f"{RC}rollout_rs_threshold='2.0,3.0,4.0'"],
+     "rollout_rs_threshold needs one spec or one per option (2)"),
+    ([f"{RC}rollout_is=tokens"], "algorithm.rollout_correction.rollout_is expects one of token, sequence or null"),
+    ([f"{OB}enable=true"], "reward_model.overlong_buffer.len must be in (0, 32] (the response length limit)"),
+    ([f"{OB}enable=true", f"{OB}len=40", f"{OB}penalty_factor=1.0"], "got len=40"),
+    ([f"{OB}enable=true", f"{OB}len=8", f"{OB}penalty_factor=-1.0"], "penalty_factor=-1.0"),
+])
+def test_dapo_and_rollout_correction_rules_are_one_line(overrides, expected):
+    msg = error_of(load_config, TINY, overrides)
+    assert expected in msg and "\n" not in msg
+
+
+def test_dapo_and_rollout_correction_values_that_load():
+    c = load_config(TINY, [f"{FG}enable=true", f"{FG}metric=acc", "actor_rollout_ref.rollout.n=2",
+                           f"{RC}rollout_rs=token_k1,seq_max_k2", f"{RC}rollout_rs_threshold='0.5_2.0,3.0'",
+                           f"{RC}rollout_is=sequence", f"{OB}enable=true", f"{OB}len=32", f"{OB}penalty_factor=1.0"])
+    assert c.algorithm.rollout_correction.rollout_rs_threshold == "0.5_2.0,3.0"
+    c = load_config(TINY, [f"{RC}rollout_rs=token_k2", f"{RC}rollout_rs_threshold=2"])
+    assert c.algorithm.rollout_correction.rollout_rs_threshold == 2.0  # a number stays a number (str(2.0) parses)
+
+
 def test_bypass_mode_true_needs_log_probs_at_the_training_temperature():
     """A greedy rollout records temperature-1 log-probs: explicit bypass is refused at another temperature,
     accepted at temperature 1 or when sampling; auto and false are always accepted (auto then recomputes)."""

@@ -146,8 +146,11 @@ def test_every_verl_only_field_has_a_note_or_a_rule():
     ("actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.ignore_eos=True is not supported"),
     ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank=8 is not supported: LoRA"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn="),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-     "actor_rollout_ref.actor.policy_loss.loss_mode must be one of vanilla"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+     "actor_rollout_ref.actor.policy_loss.loss_mode must be one of vanilla, gspo, cispo"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",  # GSPO's aggregation is fixed, as in verl
+     "policy_loss.loss_mode=gspo aggregates seq-mean-token-mean (as verl does); set "
+     "actor_rollout_ref.actor.loss_agg_mode to it, got 'token-mean'"),
     ("reward_model.reward_manager=dapo", "reward_model.reward_manager must be one of naive, prime"),
     ("algorithm.use_pf_ppo=true", "algorithm.use_pf_ppo=True is not supported"),
     ("actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.optimizer must be one of AdamW"),

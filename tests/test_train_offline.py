@@ -77,6 +77,33 @@ def test_offline_ppo_never_samples_and_logs_its_kl(sft_dir, tmp_path, logged_fil
     assert rows[0]["val-aux/kl_on_policy"] == pytest.approx(0.0, abs=1e-6)  # before training pi = pi_ref
 
 
+def test_offline_sequence_weights_and_rejection(sft_dir, tmp_path, logged_file):
+    """rollout_is=sequence and rollout_rs offline: at the first step pi_old = mu = pi_ref, nothing is
+    rejected and every weight is 1; once the policy has moved, a tight band rejects tokens."""
+    rc = "algorithm.rollout_correction."
+    rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.rollout.n=2", f"{rc}rollout_is=sequence",
+               f"{rc}rollout_rs=token_k1", f"{rc}rollout_rs_threshold='0.999_1.001'")
+    first, last = rows[1], rows[-1]
+    assert first["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and first["rollout_corr/is_mean"] == pytest.approx(1.0)
+    assert 0 < last["rollout_corr/rollout_rs_masked_fraction"] < 1
+    assert last["rollout_corr/rollout_rs_masked_fraction"] <= last["rollout_corr/rollout_rs_seq_masked_fraction"]
+    for r in rows[1:]:
+        for k in ("actor/pg_loss", "actor/reward_kl_penalty", "rollout_corr/is_ess", "critic/vf_loss"):
+            assert math.isfinite(r[k]), k
+        assert r["actor/nan_skipped"] == 0
+
+
+def test_a_mini_batch_whose_tokens_were_all_rejected_adds_a_loss_of_0(sft_dir, tmp_path, logged_file):
+    """A band nothing fits once the policy moved: every token leaves the mask, and the update is a
+    finite no-op loss (0 / 0 would skip it as non-finite and stop the run)."""
+    rc = "algorithm.rollout_correction."
+    rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.rollout.n=2", f"{rc}rollout_rs=token_k1",
+               f"{rc}rollout_rs_threshold='0.9999999_1.0000001'")
+    assert rows[-1]["rollout_corr/rollout_rs_masked_fraction"] == 1.0
+    assert all(r["actor/pg_loss"] == 0.0 and r["critic/vf_loss"] == 0.0 and r["actor/nan_skipped"] == 0
+               for r in rows[2:])
+
+
 def test_dpo_in_the_offline_step(sft_dir, tmp_path, logged_file, monkeypatch):
     monkeypatch.setattr(variants, "generate", never)
     rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.actor.loss_mode=dpo", "actor_rollout_ref.rollout.n=2",

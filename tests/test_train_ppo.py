@@ -82,6 +82,54 @@ def test_smoke_runs(sft_dir, tmp_path, name, extra, keys):
         assert last["rollout/bypass"] == 1.0 and "timing_s/old_log_prob" not in last
 
 
+GRPO = ["--config", str(ROOT / "configs" / "grpo_arith.yaml"), "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.save_freq=-1"]
+RC = "algorithm.rollout_correction."
+
+
+@pytest.mark.parametrize("name,extra,keys", [
+    ("gspo", [*GRPO, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+              "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], ["actor/kl_loss", "critic/advantages/mean"]),
+    ("cispo", ["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], ["critic/vf_loss", "actor/reward_kl_penalty"]),
+    ("reinforce_plus_plus", ["algorithm.adv_estimator=reinforce_plus_plus"], ["critic/advantages/mean"]),
+    ("reinforce_plus_plus_baseline", [*GRPO, "algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+     ["critic/advantages/mean"]),
+    ("grpo_passk", [*GRPO, "algorithm.adv_estimator=grpo_passk"], ["critic/advantages/mean"]),
+    ("remax", ["algorithm.adv_estimator=remax"], ["timing_s/gen_max", "critic/advantages/mean"]),
+    ("dapo", ["--config", str(ROOT / "configs" / "dapo_arith.yaml"), "data.train_batch_size=4",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.save_freq=-1"],
+     ["train/num_gen_batches", "train/num_dropped_groups", "critic/overlong_penalty/mean", "critic/overlong_fraction"]),
+    ("rollout_is_sequence", [f"{RC}rollout_is=sequence", f"{RC}bypass_mode=false"],
+     ["rollout_corr/is_mean", "rollout_corr/is_ess", "rollout_corr/is_clipfrac"]),
+    ("rollout_rs", [f"{RC}rollout_rs=token_k1,seq_max_k2", f"{RC}rollout_rs_threshold='0.5_2.0,0.1'",
+                    f"{RC}bypass_mode=false"],
+     ["rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction"]),
+    ("val_at_k", ["actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                  "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"],
+     ["val-core/arith/acc/mean@4", "val-core/arith/acc/best@4/mean", "val-core/arith/acc/maj@4/mean",
+      "val-aux/arith/acc/worst@4/mean", "val-aux/arith/acc/best@2/mean", "val-aux/arith/acc/std@4"]),
+])
+def test_policy_losses_estimators_dapo_and_corrections_run(sft_dir, tmp_path, name, extra, keys):
+    """Two steps of each: finite metrics, the part's own keys (and no critic without one)."""
+    if name == "dapo":  # the tiny warm start answers every problem wrong: a rule with spread, so that groups disagree
+        (tmp_path / "checksum.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                                              "    return float(sum(map(ord, solution_str)) % 3 == 0)\n")
+        extra = [*extra, f"custom_reward_function.path={tmp_path / 'checksum.py'}"]
+    rows = run(sft_dir, tmp_path, *extra)
+    assert [r["training/global_step"] for r in rows] == [0, 1, 2]
+    common = [k for k in COMMON_KEYS if name != "val_at_k" or k != "val-core/arith/acc/mean@1"]
+    for k in common + keys:
+        assert k in rows[-1] or k in rows[0], f"{name}: metric {k} missing"
+    for r in rows:
+        for k, v in r.items():
+            assert k == "monitor/health" or (isinstance(v, (int, float)) and math.isfinite(v)), f"{name}: {k}={v}"
+    if name not in ("cispo", "rollout_is_sequence", "rollout_rs", "val_at_k"):  # GAE there; the new estimators: none
+        assert "critic/vf_loss" not in rows[-1]
+    if name == "dapo":
+        assert all(r["train/num_gen_batches"] >= 1 and "actor/kl_loss" not in r for r in rows[1:])
+        assert "actor/reward_kl_penalty" not in rows[-1]  # DAPO: no KL in the reward nor in the loss
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_bypass_step_equals_the_recomputing_step(sft_dir, tmp_path, packed):
     """The same first step (same seed: the same rollout) with the old log-probs taken from the
@@ -276,8 +324,8 @@ def test_user_errors_exit_2_with_one_line(sft_dir, tmp_path):
 
 
 def test_nan_loss_is_skipped_then_stops_the_run(sft_dir, tmp_path, monkeypatch):
-    import nanokl.workers as actor_mod
-    real = actor_mod.compute_policy_loss
+    from nanokl.ppo import POLICY_LOSSES
+    real = POLICY_LOSSES["vanilla"]
     calls = {"n": 0}
 
     def poisoned(*args, **kw):
@@ -285,7 +333,7 @@ def test_nan_loss_is_skipped_then_stops_the_run(sft_dir, tmp_path, monkeypatch):
         calls["n"] += 1
         return loss * float("nan"), m
 
-    monkeypatch.setattr(actor_mod, "compute_policy_loss", poisoned)
+    monkeypatch.setitem(POLICY_LOSSES, "vanilla", poisoned)  # update_actor looks the loss up at each call
     with pytest.raises(train_ppo.TrainingStopped, match="3 steps in a row"):
         run(sft_dir, tmp_path, "trainer.total_training_steps=10", "trainer.save_freq=-1", "trainer.test_freq=-1")
     rows = read_metrics(tmp_path)

@@ -29,6 +29,8 @@ from nanokl.kl import kl_penalty
 from nanokl.ppo import agg_loss, compute_policy_loss, entropy_from_logits
 from nanokl.rollout import generate
 
+VANILLA = SimpleNamespace(loss_mode="vanilla")  # actor.policy_loss: the clipped PPO loss
+
 V = 37
 
 
@@ -105,7 +107,8 @@ def test_micro_batched_gradient_equals_the_mini_batch_gradient(mode):
     batch["old_log_probs"] = batch["old_log_probs"] + 0.3 * torch.randn(rmask.shape, generator=g) * rmask
     batch["ref_log_probs"] = batch["old_log_probs"] - 0.2 * torch.rand(rmask.shape, generator=g)
     batch["advantages"] = torch.randn(rmask.shape, generator=g)
-    a = SimpleNamespace(loss_mode="ppo", loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+    a = SimpleNamespace(loss_mode="ppo", policy_loss=VANILLA,
+                        loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
                         entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="low_var_kl",
                         ppo_epochs=1, shuffle=False, grad_clip=1e9, ppo_micro_batch_size_per_gpu=None)
     R = rmask.shape[1]
@@ -205,7 +208,8 @@ def full_loss_setup(mode):
     batch["old_log_probs"], _ = W.compute_log_probs(pol, batch, 0.7)
     batch["advantages"] = torch.zeros(rmask.shape)  # no policy-gradient term: the KL loss alone
     # no kl_loss_coef attribute: update_actor must take the coefficient it is given
-    a = SimpleNamespace(loss_mode="ppo", loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+    a = SimpleNamespace(loss_mode="ppo", policy_loss=VANILLA,
+                        loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
                         entropy_coeff=0.0, use_kl_loss=True, kl_loss_type="full", ppo_epochs=1, shuffle=False,
                         grad_clip=1e9)
     return pol, ref, batch, out.prompt_length, a
@@ -312,7 +316,8 @@ def test_rollout_log_probs_give_the_recomputed_update(top_k, top_p, spec):
     assert ((out.log_probs - recomputed).abs() * rmask).max() <= 1e-5
     batch["ref_log_probs"] = recomputed - 0.1 * torch.rand(rmask.shape, generator=g)
     batch["advantages"] = torch.randn(rmask.shape, generator=g)
-    a = SimpleNamespace(loss_mode="ppo", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+    a = SimpleNamespace(loss_mode="ppo", policy_loss=VANILLA,
+                        loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
                         entropy_coeff=0.0, use_kl_loss=True, kl_loss_type="low_var_kl", ppo_epochs=1,
                         shuffle=False, grad_clip=1e9)
     results = []
@@ -339,7 +344,8 @@ def test_entropy_is_recorded_on_the_first_pass_over_each_row():
     rmask = batch["response_mask"]
     batch["old_log_probs"], before = W.compute_log_probs(m, batch, 1.0, with_entropy=True)
     batch["advantages"] = torch.randn(rmask.shape, generator=torch.Generator().manual_seed(2))
-    a = SimpleNamespace(loss_mode="ppo", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+    a = SimpleNamespace(loss_mode="ppo", policy_loss=VANILLA,
+                        loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
                         entropy_coeff=0.0, use_kl_loss=False, kl_loss_type="low_var_kl", ppo_epochs=2,
                         shuffle=False, grad_clip=1.0)
     seen = []

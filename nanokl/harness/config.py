@@ -164,7 +164,7 @@ class ValKwargsConfig:
     top_k: int = -1  # sample only among the k likeliest tokens; -1: off
     top_p: float = 1.0  # nucleus sampling mass; 1.0: off
     temperature: float = 0.0  # 0 with do_sample false: greedy
-    n: int = 1  # responses per validation prompt
+    n: int = 1  # responses per validation prompt; > 1 also logs best@k, worst@k, maj@k (harness/val_metrics.py)
     do_sample: bool = False  # false: greedy decoding
 
 
@@ -240,6 +240,17 @@ class RewardModelConfig(VerlRewardModelKeys):
     missing_eos_penalty: float = 0.0  # subtracted from the score of a response cut off before its EOS
     score_method: Literal["strict", "flexible"] = "strict"  # GSM8K: last '#### N' (strict) or last number
     reward_manager: str = "naive"  # verl's: naive (one score per response); prime: the same scores (noted); others refused
+    overlong_buffer: "OverlongBufferConfig" = field(default_factory=lambda: OverlongBufferConfig())
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft length penalty at verl's path (the DAPO recipe's reward_model.overlong_buffer; nanokl/rewards.py):
+    min(-(L - (max_response_length - len)) / len * penalty_factor, 0) added to each response's score."""
+    enable: bool = False  # verl's recipe default: off (its len and factor are 0 until set)
+    len: int = 0  # the buffer: the last this-many tokens before data.max_response_length, in (0, max_response_length]
+    penalty_factor: float = 0.0  # the penalty at the limit (DAPO: 1.0)
+    log: bool = False  # verl: log each response's penalty; nanokl logs critic/overlong_penalty/* whenever enabled
 
 
 @dataclass
@@ -270,24 +281,40 @@ class RolloutCorrectionConfig:
     bypass_mode: Union[bool, Literal["auto"]] = "auto"  # true | false | auto
     # verl's truncated importance sampling (TIS): weigh each token's policy loss by min(pi_old / mu, threshold),
     # mu = the policy that sampled it (the rollout engine; offline, the logged behaviour policy). null: off
-    rollout_is: Optional[Literal["token"]] = None
+    # token: each token's own ratio; sequence: the response's whole product min(prod_t pi_old/mu, C) on every token
+    rollout_is: Optional[Literal["token", "sequence"]] = None
     rollout_is_threshold: float = 2.0  # C, the truncation of those weights (>= 1)
-    rollout_rs: Optional[str] = None  # verl's rejection sampling of responses: refused when set
-    rollout_rs_threshold: Optional[float] = None  # its threshold
+    # verl's rejection sampling: tokens (or whole responses) whose log(pi_old/mu) statistic leaves its bounds
+    # leave response_mask. Options of offline.RS_OPTIONS, comma-separated (e.g. "token_k1,seq_max_k2"); null: off
+    rollout_rs: Optional[str] = None
+    # their bounds: "upper" or "lower_upper" (k1), one for all options or one each, comma-separated (required with it)
+    rollout_rs_threshold: Union[str, float, None] = None
     loss_type: Literal["ppo_clip"] = "ppo_clip"  # the policy loss the weights enter (verl's others refused)
     rollout_is_batch_normalize: bool = False  # refused when true
+
+
+@dataclass
+class FilterGroupsConfig:
+    """verl's DAPO dynamic sampling (nanokl/sampling.py): train only on prompts whose responses' `metric`
+    differs, sampling further batches of prompts until data.train_batch_size of them are kept."""
+    enable: bool = False
+    metric: Optional[str] = None  # acc (the rule's score, unshaped) | score (the reward) | seq_reward (its token sum)
+    max_num_gen_batches: int = 0  # generation batches a step may sample; <= 0: no limit (verl's convention)
 
 
 @dataclass
 class AlgorithmConfig(VerlAlgorithmKeys):
     gamma: float = 1.0  # discount per token
     lam: float = 1.0  # GAE lambda: 0 one-step TD, 1 Monte-Carlo
-    adv_estimator: str = "gae"  # advantages.ESTIMATORS: gae (critic), grpo / rloo (group baselines, no critic)
+    # advantages.ESTIMATORS: gae (critic); grpo, rloo, reinforce_plus_plus_baseline, grpo_passk (group baselines);
+    # reinforce_plus_plus (whitened returns); remax (a greedy rollout's score as the baseline)
+    adv_estimator: str = "gae"
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
     use_kl_in_reward: bool = False  # subtract beta * KL(pi || pi_ref) from each token's reward
     kl_penalty: str = "kl"  # estimator for that in-reward KL (kl.KL_KINDS)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO's dynamic sampling
 
 
 @dataclass

@@ -134,10 +134,11 @@ def _owned_names():
     owns. Imported here, lazily, so that the config module itself does not import torch."""
     from nanokl.advantages import ESTIMATORS
     from nanokl.kl import KL_KINDS
-    from nanokl.ppo import LOSS_AGG_MODES
+    from nanokl.ppo import LOSS_AGG_MODES, POLICY_LOSSES
     from nanokl.tasks import TASKS
     return [("algorithm.kl_penalty", KL_KINDS), (_A + "kl_loss_type", KL_KINDS),
             (_A + "loss_agg_mode", LOSS_AGG_MODES), (_C + "loss_agg_mode", LOSS_AGG_MODES),
+            (_A + "policy_loss.loss_mode", tuple(POLICY_LOSSES)),
             ("algorithm.adv_estimator", tuple(ESTIMATORS)), ("data.task", tuple(TASKS))]
 
 
@@ -173,6 +174,45 @@ def _check_rule(rule, key):
                           keys=key + ".value")
     if rule.cooldown < 0:
         raise ConfigError(f"{key}.cooldown must be >= 0, got {rule.cooldown!r}", keys=key + ".cooldown")
+
+
+FILTER_METRICS = ("acc", "score", "seq_reward")  # algorithm.filter_groups.metric (harness/variants.py reads them)
+
+
+def _check_dapo_and_correction(cfg):
+    """GSPO's aggregation, the overlong buffer, dynamic sampling and rejection sampling."""
+    alg, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
+        raise ConfigError(f"{_A}policy_loss.loss_mode=gspo aggregates seq-mean-token-mean (as verl does); set "
+                          f"{_A}loss_agg_mode to it, got {actor.loss_agg_mode!r}",
+                          keys=(_A + "policy_loss.loss_mode", _A + "loss_agg_mode"))
+    ob, R = cfg.reward_model.overlong_buffer, rollout.response_length
+    if ob.enable and not (0 < ob.len <= R and ob.penalty_factor >= 0):
+        raise ConfigError(f"reward_model.overlong_buffer.len must be in (0, {R}] (the response length limit) and "
+                          f"penalty_factor >= 0 when overlong_buffer.enable; got len={ob.len!r}, "
+                          f"penalty_factor={ob.penalty_factor!r}",
+                          keys=("reward_model.overlong_buffer.len", "reward_model.overlong_buffer.penalty_factor"))
+    fg, F = alg.filter_groups, "algorithm.filter_groups."
+    if fg.enable and fg.metric not in FILTER_METRICS:
+        raise ConfigError(f"{F}metric must be one of {', '.join(FILTER_METRICS)} when {F}enable (seq_final_reward "
+                          f"needs the KL penalty before sampling ends); got {fg.metric!r}", keys=F + "metric")
+    if fg.enable and (rollout.n < 2 or cfg.data.offline_files or actor.loss_mode != "ppo"):
+        raise ConfigError(f"{F}enable keeps the prompts whose rollout.n >= 2 sampled responses disagree: it needs "
+                          f"{_R}n >= 2 (got {rollout.n}), online sampling (no data.offline_files) and "
+                          f"{_A}loss_mode=ppo", keys=(F + "enable", _R + "n", "data.offline_files"))
+    rc, RC = alg.rollout_correction, "algorithm.rollout_correction."
+    if rc.rollout_rs is not None:
+        from nanokl.offline import rs_thresholds
+        if rc.rollout_rs_threshold is None:
+            raise ConfigError(f"{RC}rollout_rs_threshold must be set with {RC}rollout_rs (as verl requires)",
+                              keys=(RC + "rollout_rs_threshold", RC + "rollout_rs"))
+        try:
+            rs_thresholds(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(f"{RC}{e}", keys=(RC + "rollout_rs", RC + "rollout_rs_threshold")) from None
+        if actor.loss_mode != "ppo":
+            raise ConfigError(f"{RC}rollout_rs removes tokens from the PPO loss; {_A}loss_mode={actor.loss_mode} "
+                              f"compares whole responses", keys=(RC + "rollout_rs", _A + "loss_mode"))
 
 
 def validate(cfg):
@@ -231,6 +271,7 @@ def validate(cfg):
             raise ConfigError(f"{why}: a micro-batch must hold whole pairs, so {_A}use_dynamic_bsz and {_A}shuffle "
                               f"must be false and {_A}ppo_micro_batch_size_per_gpu even",
                               keys=(_A + "use_dynamic_bsz", _A + "shuffle", _A + "ppo_micro_batch_size_per_gpu"))
+    _check_dapo_and_correction(cfg)
     mon = cfg.trainer.kl_monitor
     for check in CHECKS + ("kl_high", "kl_low"):
         if check != "kl_band":
@@ -318,9 +359,10 @@ VERL_NOTES = {
        and not (p == _ARR + "ref." and k in ("checkpoint", "data_loader_seed"))},
     _A + "calculate_entropy": "nanokl computes the entropy every step (actor/entropy)",
     _A + "use_prefix_grouper": "nanokl forwards each response with its own copy of the prompt",
-    **dict.fromkeys([_A + "tau_pos", _A + "tau_neg"] + [f"{_A}policy_loss.{k}" for k in (
-        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")],
-        _UNUSED.format("a policy_loss.loss_mode other than vanilla")),
+    **dict.fromkeys([_A + "tau_pos", _A + "tau_neg"], _UNUSED.format("policy_loss.loss_mode=sapo")),
+    **dict.fromkeys([f"{_A}policy_loss.{k}" for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                                                      "ppo_kl_coef")],
+                    _UNUSED.format("policy_loss.loss_mode=clip_cov / kl_cov")),
     **dict.fromkeys([_A + "calculate_sum_pi_squared", _A + "sum_pi_squared_checkpointing"],
                     "nanokl does not compute sum(pi^2)"),
     _R + "name": "nanokl samples with its own engine (nanokl/rollout.py; CUDA graphs on GPU)",
@@ -360,7 +402,8 @@ VERL_NOTES = {
     _RM + "reward_manager": "prime scores in a process pool; nanokl scores in the trainer process (the same scores)",
     "reward_manager": "nanokl's reward manager is reward_model.reward_manager",
     "algorithm.pf_ppo": _UNUSED.format("algorithm.use_pf_ppo"),
-    "algorithm.rollout_correction.rollout_rs_threshold": _UNUSED.format("rollout_rs"),
+    _RM + "overlong_buffer.log": "nanokl logs critic/overlong_penalty/* and critic/overlong_fraction whenever "
+                                 "overlong_buffer.enable",
     _T + "balance_batch": "nanokl gives each rank the same number of prompts, unbalanced by length (the same metrics)",
     _T + "esi_redundant_time": "nanokl saves a checkpoint on SIGTERM / SIGUSR1 instead (nanokl/harness/faults.py)",
     _T + "default_hdfs_dir": "nanokl saves under trainer.default_local_dir only",

@@ -59,8 +59,11 @@ class FSDPConfig:
 
 @dataclass
 class PolicyLossConfig:
-    """verl's `actor.policy_loss`: which policy-gradient loss. nanokl has the clipped PPO loss."""
-    loss_mode: Literal["vanilla"] = "vanilla"  # verl's others (gspo, clip_cov, kl_cov, gpg, ...) are refused
+    """verl's `actor.policy_loss`: which policy-gradient loss (nanokl/ppo.py's POLICY_LOSSES)."""
+    # vanilla: dual-clip PPO; gspo: the response's length-normalised ratio clipped (needs loss_agg_mode
+    # seq-mean-token-mean); cispo: the clipped ratio as a REINFORCE weight. verl's others (sapo, gpg, clip_cov,
+    # kl_cov, geo_mean) are refused
+    loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002  # clip_cov only
     clip_cov_lb: float = 1.0  # clip_cov only
     clip_cov_ub: float = 5.0  # clip_cov only
@@ -308,7 +311,6 @@ _VERL_REFUSED = [
     (_R + "multi_turn", lambda v: v.get("enable"), "multi-turn rollout: nanokl's is single-turn"),
     (_RM + "model.override_config", bool, "nanokl loads the reward model as its config.json says"),
     ("algorithm.use_pf_ppo", lambda v: v, "nanokl trains on the whole batch, unresampled"),
-    ("algorithm.rollout_correction.rollout_rs", lambda v: v, "nanokl trains on every response (rollout_is weighs them)"),
     ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v: v, "nanokl's weights are min(pi_old/mu, C)"),
 ]
 REWARD_MANAGERS = ("naive", "prime")  # naive: one score per response; prime: the same, in a process pool

@@ -89,6 +89,16 @@ def scorer(cfg):
     return lambda text, ex: task_score(text, ex, method)
 
 
+def answerer(cfg):
+    """`answer(text, example)` for maj@k: the task's answer extraction (nanokl/tasks/, `answer`), or
+    None when a custom function scores (its answers are its own) or the task extracts none."""
+    task = get_task(cfg.data.task)
+    if _custom(cfg) is not None or not hasattr(task, "answer"):
+        return None
+    method = cfg.reward_model.score_method
+    return lambda text, ex: task.answer(text, ex, method)
+
+
 def check_sources(cfg, examples) -> None:
     """Fail before any model loads: a custom function that does not import, or (case 3) a row
     whose data_source no rule scores."""

@@ -109,6 +109,7 @@ class Run:
     values: object
     correct: object
     kl_reward: object
+    baselines: object
     update_critic: object
     start: int = 0
     nan_streak: int = 0
@@ -156,6 +157,9 @@ def _check_world(cfg, W, needs_critic):
     if t.n_gpus_per_node is None and W % t.nnodes:
         raise ConfigError(f"trainer.nnodes ({t.nnodes}) must divide the run's {W} process(es)",
                           keys="trainer.nnodes")
+    if cfg.algorithm.filter_groups.enable and W > 1:  # each rank would need its own number of sampling rounds
+        raise ConfigError(f"algorithm.filter_groups.enable samples until enough groups are kept, in one process: "
+                          f"run it with plain python, not {W} processes", keys="algorithm.filter_groups.enable")
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if W % tp:
         raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide the {W} "

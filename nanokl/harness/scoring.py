@@ -40,19 +40,23 @@ import torch
 from nanokl import dist
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean
-from nanokl.rewards import token_level_scores
+from nanokl.rewards import overlong_penalty, token_level_scores
 from nanokl.workers import compute_log_probs
 from nanokl.harness import reward_fn
 from nanokl.harness.data import build_prompts
 from nanokl.harness.generations import dump_rollout, prompt_texts
+from nanokl.harness.metrics import add_stats
+from nanokl.harness.val_metrics import metric_key, metric_names, prompt_metrics
 from nanokl.graphs import generate
 from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
 
 
-def score_batch(tok, out, examples, cfg, rm=None, global_step=None):
+def score_batch(tok, out, examples, cfg, rm=None, global_step=None, metrics=None):
     """Decode and score by rule; with a reward model (reward_model.enable) the RM's normalised
     score is the reward instead, and the rule score is kept to be logged beside it (a growing gap
-    between the two is reward hacking). Each score sits on its response's last token.
+    between the two is reward hacking). With reward_model.overlong_buffer.enable, DAPO's soft
+    length penalty is added to the reward (into `metrics`, when given: critic/overlong_penalty/*
+    and critic/overlong_fraction). Each score sits on its response's last token.
     With trainer.rollout_data_dir and the step's `global_step`, the batch is written there.
     Returns (token-level scores, reward per response, rule score per response)."""
     texts = tok.batch_decode(out.responses, out.response_mask)
@@ -62,6 +66,14 @@ def score_batch(tok, out, examples, cfg, rm=None, global_step=None):
     if rm is not None:
         mask = keep_last_tokens(out.attention_mask, cfg.reward_model.max_length)
         scores = score_with_rm(rm, out.sequences, mask, cfg.reward_model.micro_batch_size_per_gpu).cpu()
+    ob = cfg.reward_model.overlong_buffer
+    if ob.enable:  # 0 up to response_length - len tokens (EOS included), then down to -penalty_factor at the limit
+        penalty = overlong_penalty(out.response_mask.sum(-1).cpu(), cfg.actor_rollout_ref.rollout.response_length,
+                                   ob.len, ob.penalty_factor)
+        scores = scores + penalty.to(scores.dtype)  # the rule score stays unshaped (filter_groups' "acc")
+        if metrics is not None:
+            add_stats(metrics, "critic/overlong_penalty", penalty.float())
+            metrics["critic/overlong_fraction"] = dist.global_stats((penalty < 0).float())[0]
     last = (out.response_mask.sum(-1) - 1).clamp(min=0)
     ended = torch.isin(out.responses.gather(1, last[:, None])[:, 0], torch.tensor(tok.eos_token_ids, device=last.device))
     missing_eos = ~ended | (out.response_mask.sum(-1) == 0)
@@ -76,13 +88,16 @@ def score_batch(tok, out, examples, cfg, rm=None, global_step=None):
 @torch.no_grad()
 def validate(model, tok, val, cfg, device, ref=None, samples=None):
     """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n.
-    Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks. Given the reference
-    `ref` and trainer.val_kl_prompts > 0, also the on-policy KL (`on_policy_kl`). Given a list
-    `samples`, this rank's (input, output, score, ground truth) of every response are appended to it."""
+    Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks. With val_kwargs.n > 1,
+    also verl's best@k / worst@k / maj@k (`at_k`). Given the reference `ref` and
+    trainer.val_kl_prompts > 0, also the on-policy KL (`on_policy_kl`). Given a list `samples`, this
+    rank's (input, output, score, ground truth) of every response are appended to it."""
     d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
-    score = reward_fn.scorer(cfg)
+    score, answer = reward_fn.scorer(cfg), reward_fn.answerer(cfg)
     sources = sorted({ex["data_source"] for ex in val})
     totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) per source, then response lengths
+    names = metric_names(vk.n, with_maj=answer is not None)[1:]  # mean@n is the totals' (the same number)
+    at_k = torch.zeros(len(sources), len(names) + 1, dtype=torch.float64)  # per source: sums over prompts, prompts
     mine = val[dist.rank()::dist.world()]
     for i in range(0, len(mine), d.val_batch_size):
         chunk = mine[i:i + d.val_batch_size]
@@ -95,12 +110,22 @@ def validate(model, tok, val, cfg, device, ref=None, samples=None):
         hits = [score(text, chunk[j // vk.n]) for j, text in enumerate(texts)]
         for j, hit in enumerate(hits):
             totals[sources.index(chunk[j // vk.n]["data_source"])] += torch.tensor([hit, 1.0])
+        for p in range(len(chunk) if names else 0):  # val_kwargs.n > 1: each prompt's bootstrap over its n
+            mine_n = slice(p * vk.n, (p + 1) * vk.n)
+            votes = None if answer is None else [answer(t, chunk[p]) for t in texts[mine_n]]
+            per = prompt_metrics(hits[mine_n], votes)
+            at_k[sources.index(chunk[p]["data_source"])] += torch.tensor([per[k] for k in names] + [1.0],
+                                                                         dtype=torch.float64)
         if samples is not None:
             samples.extend(zip(prompt_texts(tok, out), texts, hits,
                                [chunk[j // vk.n].get("ground_truth") for j in range(len(texts))]))
         totals[-1] += torch.tensor([out.response_mask.sum().item(), float(len(texts))])
     totals = dist.all_reduce(totals)
     metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}
+    if names:  # verl's names: val-core for best / maj at k = n, val-aux for the rest (harness/val_metrics.py)
+        at_k = dist.all_reduce(at_k)
+        metrics.update({metric_key(src, "acc", name, vk.n, "acc"): (row[i] / row[-1]).item()
+                        for src, row in zip(sources, at_k) if row[-1] > 0 for i, name in enumerate(names)})
     if totals[-1, 1] > 0:
         metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
     if ref is not None and cfg.trainer.val_kl_prompts:

@@ -6,12 +6,19 @@ is a few lines of plumbing (the run's models, config and timers) around a lesson
 
     part            choices                                                 lesson
     respond         sample_responses (online) | logged_responses (offline)  rollout.py / harness/logged.py
+                    | sample_kept_groups (DAPO's dynamic sampling:          sampling.py
+                    algorithm.filter_groups)
     old_log_probs   recompute_old (+ compare with the rollout's, online) |  workers.py
                     rollout_old (the sampler is the fp32 actor: bypass)
     values          critic_values | no_values (GRPO, RLOO: no critic)       workers.py
     correct         no_correction | token_is (truncated per-token weights)  offline.py
+                    | sequence_is (the response's truncated product), each
+                    optionally followed by rejection (rollout_rs: tokens
+                    leave response_mask)
     kl_reward       kl_in_reward (an estimator) | exact_kl_in_reward         rewards.py
                     (`full`) | scores_only (KL in the loss, or nowhere)
+    baselines       no_baselines | greedy_baselines (remax: the score of    advantages.py
+                    each prompt's greedy response)
     update_critic   critic_update | no_critic_update                        workers.py
 
 Every part returns what it makes; a part that times itself writes `timing_s/<name>` into the
@@ -19,22 +26,32 @@ step's metrics (only parts that do work time themselves, so a run without a crit
 critic timings).
 """
 
+import functools
+import itertools
+
 import torch
+import torch.nn.functional as F
 
 from nanokl import dist, workers
+from nanokl.advantages import ESTIMATORS
 from nanokl.graphs import generate
-from nanokl.harness.data import build_prompts
+from nanokl.harness.data import build_prompts, rank_rows
 from nanokl.harness.logged import draw_responses, logged_batch
 from nanokl.harness.metrics import global_var, timer
+from nanokl.harness.run_state import TrainingStopped
+from nanokl.harness.scoring import score_batch
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean
-from nanokl.offline import behaviour_log_probs, is_metrics_from_sums, is_sums, truncated_is_weights, weighted_kl
+from nanokl.offline import (IS_LEVELS, behaviour_log_probs, is_metrics_from_sums, is_sums, rejection_mask,
+                            rs_metrics_from_sums, rs_sums, weighted_kl)
 from nanokl.rewards import apply_exact_kl_penalty, apply_kl_penalty
+from nanokl.rollout import RolloutOutput
+from nanokl.sampling import GroupBuffer, cat_rows
 
 
 # 1. respond: n responses per prompt in a rollout's layout; out.log_probs are the sampler's (μ's)
 
-def sample_responses(run, rows, step, generator):
+def sample_responses(run, rows, step, generator, metrics):
     """n responses per prompt from the current policy; returns (out, each response's example)."""
     d, ro = run.cfg.data, run.cfg.actor_rollout_ref.rollout
     examples = [run.train[i] for i in rows]
@@ -46,7 +63,7 @@ def sample_responses(run, rows, step, generator):
     return out, [ex for ex in examples for _ in range(ro.n)]
 
 
-def logged_responses(run, rows, step, generator):
+def logged_responses(run, rows, step, generator, metrics):
     """Offline: n of each prompt's logged responses, drawn by (seed, step, row) alone; nothing is
     generated. out.log_probs: μ's where logged, NaN where not (nanokl/harness/logged.py)."""
     d, n = run.cfg.data, run.cfg.actor_rollout_ref.rollout.n
@@ -54,6 +71,61 @@ def logged_responses(run, rows, step, generator):
     picks = [draw_responses(run.train[i], n, d.seed, step, i) for i in rows]
     out = logged_batch(examples, picks, run.tok, d.prompt_template, d.max_prompt_length, d.truncation, run.device)
     return out, [ex for ex in examples for _ in range(n)]
+
+
+def sample_kept_groups(run, rows, step, generator, metrics):
+    """DAPO's dynamic sampling (algorithm.filter_groups; nanokl/sampling.py): sample and score this
+    step's prompts, keep the groups whose filter_groups.metric is not all equal, and sample the next
+    batches of prompts of the epoch (those of steps step+1, step+2, ...; the generator runs on) until
+    data.train_batch_size prompts are kept; the first that many, in generation order, are the step's
+    batch (scored again in step 2). One process: setup refuses torchrun. Logs train/num_gen_batches
+    and train/num_dropped_groups (groups whose responses all agreed)."""
+    d, n, fg = run.cfg.data, run.cfg.actor_rollout_ref.rollout.n, run.cfg.algorithm.filter_groups
+    buffer, sampled = GroupBuffer(len(rows), fg.max_num_gen_batches), 0
+    for k in itertools.count():
+        if k:  # the next generation batch, as verl's DAPO trainer draws the dataloader's next one
+            rows = rank_rows(len(run.train), d.train_batch_size, step + k, d.seed, d.shuffle, run.rank, run.world)
+        out, examples = sample_responses(run, rows, step, generator, metrics)
+        token_scores, scores, rule = score_batch(run.tok, out, examples, run.cfg, run.rm)
+        metric = {"acc": rule, "score": scores, "seq_reward": token_scores.sum(-1)}[fg.metric]
+        sampled += len(rows)
+        try:
+            if buffer.add(rollout_parts(out, examples), metric, torch.arange(len(rows)).repeat_interleave(n)):
+                break
+        except RuntimeError as e:  # max_num_gen_batches reached short of the batch (verl raises too)
+            raise TrainingStopped(str(e)) from None
+    parts, _ = buffer.take(cat=functools.partial(pad_cat, pad_token_id=run.tok.pad_token_id))
+    metrics.update({"train/num_gen_batches": buffer.num_gen_batches,
+                    "train/num_dropped_groups": sampled - buffer.num_prompts})
+    return rollout_from_parts(parts), parts["examples"]
+
+
+def rollout_parts(out, examples) -> dict:
+    """A rollout as per-response entries (prompt and response apart, so rounds of different widths join)."""
+    P = out.prompt_length
+    return {"prompt_ids": out.sequences[:, :P], "prompt_mask": out.attention_mask[:, :P], "responses": out.responses,
+            "response_mask": out.response_mask, "log_probs": out.log_probs, "examples": examples}
+
+
+def pad_cat(key, parts, pad_token_id):
+    """Join one entry's rounds: prompts left-padded, responses right-padded to the widest round."""
+    if key == "examples":
+        return cat_rows(parts)
+    width, left = max(p.shape[1] for p in parts), key.startswith("prompt")
+    fill = pad_token_id if key in ("prompt_ids", "responses") else 0
+    return torch.cat([F.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]), value=fill)
+                      for p in parts])
+
+
+def rollout_from_parts(parts) -> RolloutOutput:
+    """rollout_parts' inverse: the training layout of nanokl/rollout.py (positions from the masks)."""
+    mask, responses = parts["prompt_mask"], parts["responses"]
+    resp_pos = mask.sum(-1, keepdim=True) + torch.arange(responses.shape[1], device=mask.device)
+    return RolloutOutput(sequences=torch.cat([parts["prompt_ids"], responses], 1),
+                         attention_mask=torch.cat([mask, parts["response_mask"]], 1),
+                         position_ids=torch.cat([(mask.cumsum(-1) - 1).clamp(min=0), resp_pos], 1),
+                         responses=responses, response_mask=parts["response_mask"], log_probs=parts["log_probs"],
+                         prompt_length=mask.shape[1])
 
 
 # 3a. old_log_probs: π_old's log-prob of each token and the entropy (None: the update records it)
@@ -90,19 +162,41 @@ def no_values(run, batch, metrics):
     return None
 
 
-# 3c. correct: importance weights for responses μ sampled, and their metrics
+# 3c. correct: importance weights and rejection for responses μ sampled -> (weights, response_mask, metrics)
 
 def no_correction(run, batch, rollout_log_probs):
-    return None, {}
+    return None, batch["response_mask"], {}
 
 
 def token_is(run, batch, rollout_log_probs):
     """Truncated per-token weights min(π_old/μ, C) (verl's rollout_is=token; nanokl/offline.py)."""
-    rc = run.cfg.algorithm.rollout_correction
+    return _is_weights(run, batch, rollout_log_probs, "token")
+
+
+def sequence_is(run, batch, rollout_log_probs):
+    """The response's truncated product min(Π_t π_old/μ, C) on each of its tokens (verl's rollout_is=sequence)."""
+    return _is_weights(run, batch, rollout_log_probs, "sequence")
+
+
+def _is_weights(run, batch, rollout_log_probs, level):
+    rc, mask = run.cfg.algorithm.rollout_correction, batch["response_mask"]
     mu = behaviour_log_probs(rollout_log_probs, batch["ref_log_probs"])
-    w = truncated_is_weights(batch["old_log_probs"], mu, batch["response_mask"], rc.rollout_is_threshold)
-    sums = dist.all_reduce(is_sums(w, batch["response_mask"], rc.rollout_is_threshold))
-    return w, {f"rollout_corr/{k}": v for k, v in is_metrics_from_sums(sums).items()}
+    w = IS_LEVELS[level](batch["old_log_probs"], mu, mask, rc.rollout_is_threshold)
+    sums = dist.all_reduce(is_sums(w, mask, rc.rollout_is_threshold))
+    return w, mask, {f"rollout_corr/{k}": v for k, v in is_metrics_from_sums(sums).items()}
+
+
+def rejection(run, batch, rollout_log_probs, weigh=no_correction):
+    """`weigh` (one of the three above), then verl's rejection sampling (rollout_rs): every token whose
+    statistic of log π_old/μ leaves its bounds, or whose response's does, leaves response_mask
+    (nanokl/offline.py's rejection_mask): it weighs nothing in the losses, the KL and the controller,
+    as in verl. The advantages still see every response's score (ppo_step's step 5 reads the rollout's mask)."""
+    rc = run.cfg.algorithm.rollout_correction
+    w, mask, metrics = weigh(run, batch, rollout_log_probs)
+    mu = behaviour_log_probs(rollout_log_probs, batch["ref_log_probs"])
+    kept = rejection_mask(batch["old_log_probs"], mu, mask, rc.rollout_rs, rc.rollout_rs_threshold)
+    sums = dist.all_reduce(rs_sums(kept, mask))
+    return w, kept, {**metrics, **{f"rollout_corr/rollout_{k}": v for k, v in rs_metrics_from_sums(sums).items()}}
 
 
 # 4. kl_reward: r_t = score_t - beta * KL_t; the controller reads the step's KL and moves beta
@@ -148,6 +242,29 @@ def scores_only(run, batch, scores):
     return scores, {}
 
 
+# 5. baselines: what an estimator compares each response with beyond its own group (remax)
+
+def no_baselines(run, examples, metrics):
+    return None
+
+
+def greedy_baselines(run, examples, metrics):
+    """ReMax's baseline (adv_estimator=remax, advantages.py): each prompt's greedy response (n=1, the
+    same sampler), scored as the step's responses are (score_batch: the rule or the reward model, the
+    missing-EOS and overlong penalties); its score repeated over the prompt's rollout.n rows. Timed as
+    verl's timing_s/gen_max. `examples`: the step's examples, one per response (n per prompt, in order)."""
+    d, ro = run.cfg.data, run.cfg.actor_rollout_ref.rollout
+    prompts = examples[::ro.n]
+    with timer(metrics, "gen_max", run.device):
+        ids, mask = build_prompts(prompts, run.tok, d.prompt_template, d.max_prompt_length, d.truncation,
+                                  device=run.device)
+        out = generate(dist.unwrap(run.rollout_model), ids, mask, ro.response_length, temperature=ro.temperature,
+                       do_sample=False, eos_token_id=run.tok.eos_token_ids, pad_token_id=run.tok.pad_token_id,
+                       use_cuda_graph=ro.use_cuda_graph)
+        token_scores, _, _ = score_batch(run.tok, out, prompts, run.cfg, run.rm)
+    return token_scores.sum(-1).repeat_interleave(ro.n)
+
+
 # 6. update_critic
 
 def critic_update(run, batch, generator, metrics):
@@ -174,8 +291,13 @@ def choose(cfg, *, critic: bool, bypass: bool) -> dict:
     kl = scores_only
     if alg.use_kl_in_reward:
         kl = exact_kl_in_reward if alg.kl_penalty == "full" else kl_in_reward
-    return dict(respond=logged_responses if offline else sample_responses, old_log_probs=old,
-                values=critic_values if critic else no_values,
-                correct=token_is if alg.rollout_correction.rollout_is == "token" else no_correction,
-                kl_reward=kl, update_critic=critic_update if critic else no_critic_update)
+    rc = alg.rollout_correction
+    correct = {None: no_correction, "token": token_is, "sequence": sequence_is}[rc.rollout_is]
+    if rc.rollout_rs:
+        correct = functools.partial(rejection, weigh=correct)
+    respond = sample_kept_groups if alg.filter_groups.enable else sample_responses
+    return dict(respond=logged_responses if offline else respond, old_log_probs=old,
+                values=critic_values if critic else no_values, correct=correct, kl_reward=kl,
+                baselines=greedy_baselines if ESTIMATORS[alg.adv_estimator].needs_greedy_baseline else no_baselines,
+                update_critic=critic_update if critic else no_critic_update)
 

@@ -1,6 +1,7 @@
 """Tasks: what PPO trains on, behind one small interface. `data.task` names one of TASKS.
 
-A task is a plain module with three things, and nothing else in nanokl names a task:
+A task is a plain module with three things (and an optional fourth), and nothing else in
+nanokl names a task:
 
     examples(data, num_train=None, num_val=None, seed=0) -> (train, val)
         Two lists of example dicts,
@@ -16,6 +17,10 @@ A task is a plain module with three things, and nothing else in nanokl names a t
         The rule's verdict on one decoded response (1.0 right, 0.0 wrong, for both tasks here).
         `method` is reward_model.score_method, for a task that has more than one rule. The
         score is also the ground truth a learned reward model is checked against.
+
+    answer(text, example, method="strict") -> hashable or None (optional)
+        The response's final answer as the rule reads it, for majority voting over validation
+        samples (maj@k, nanokl/harness/val_metrics.py); a task without it gets no maj@k.
 
     demonstrations(examples, sft_cfg, seed) -> examples with a "solution" to imitate
         What the supervised warm start (nanokl/supervised/sft.py) trains on, or

@@ -31,7 +31,7 @@ demonstrations end with "Answer: N" instead of "#### N", as if two teachers agre
 arithmetic but not on the format. The rule reads only "#### N", so a policy that imitates the
 majority "Answer:" teacher scores nothing until RL finds out which format is rewarded.
 
-The task interface (nanokl/tasks/__init__.py): `examples`, `score`, `demonstrations`.
+The task interface (nanokl/tasks/__init__.py): `examples`, `score`, `answer`, `demonstrations`.
 tests/test_tasks.py checks: the task is deterministic per seed and its splits are disjoint;
 every demonstration's answer equals one recomputed by a hand parser in the test (no eval);
 every demonstration scores 1 and corrupted ones 0; the format mix is seeded.
@@ -133,12 +133,18 @@ _ANSWER = re.compile(r"#### (-?[0-9.,]+)")
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
+def extract_arith_answer(solution_str: str) -> str | None:
+    """The N of the last `#### N` in the response's tail, as written ("7", "07", "7.5"), or None."""
+    found = _ANSWER.findall(solution_str[-CLIP_CHARS:])
+    return found[-1] if found else None
+
+
 def arith_score(solution_str: str, ground_truth) -> float:
     """1.0 if the last `#### N` is an integer equal to the ground truth, else 0.0."""
-    found = _ANSWER.findall(solution_str[-CLIP_CHARS:])
-    if not found or not _INTEGER.fullmatch(found[-1]):
+    found = extract_arith_answer(solution_str)
+    if found is None or not _INTEGER.fullmatch(found):
         return 0.0
-    return 1.0 if int(found[-1]) == int(ground_truth) else 0.0
+    return 1.0 if int(found) == int(ground_truth) else 0.0
 
 
 def mix_answer_formats(examples, share: float, seed: int) -> list[dict]:
@@ -170,6 +176,13 @@ def examples(data, num_train=None, num_val=None, seed=0):
 def score(text, example, method="strict"):
     """The rule's verdict on one response; there is one rule, so `method` is ignored."""
     return arith_score(text, example["ground_truth"])
+
+
+def answer(text, example, method="strict"):
+    """The response's final answer for majority voting (maj@k): an integer as the number it is
+    ("07" and "7" vote together), anything else as written, None when there is no `#### N`."""
+    found = extract_arith_answer(text)
+    return str(int(found)) if found is not None and _INTEGER.fullmatch(found) else found
 
 
 def demonstrations(examples, sft_cfg, seed):

@@ -55,4 +55,11 @@ def score(text, example, method="strict"):
     return source_task(example["data_source"]).score(text, example, method)
 
 
+def answer(text, example, method="strict"):
+    """The extracted answer by the row's data_source's task (None where that task extracts none)."""
+    from nanokl.tasks import source_task
+    task = source_task(example["data_source"])
+    return task.answer(text, example, method) if hasattr(task, "answer") else None
+
+
 demonstrations = None

@@ -145,6 +145,11 @@ def score(text, example, method="strict"):
     return gsm8k_score(text, example["ground_truth"], method)
 
 
+def answer(text, example, method="strict"):
+    """The extracted final answer (strict or flexible, as the score reads it) for maj@k; None if none."""
+    return extract_gsm8k_answer(text, method)
+
+
 def demonstrations(examples, sft_cfg, seed):
     """The examples that carry a reference solution (raw rows), as they are."""
     demos = [ex for ex in examples if "solution" in ex]
