@@ -108,8 +108,11 @@ def init():
     """(rank, world_size, device); joins the process group whenever torchrun started the process."""
     cuda = torch.cuda.is_available()
     if launched() and dist.is_available() and not dist.is_initialized():
+        # NCCL binds to the GPU named here; left to guess, it maps rank -> GPU by the global rank and warns
+        # that this can hang when the mapping differs (seen on the first H200 run, torch 2.11)
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device_id)
         backend, timeout = "nccl" if cuda else "gloo", timedelta(minutes=30)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -120,9 +123,9 @@ def init():
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), W, is_master=False,
                                   timeout=timeout)
             dist.init_process_group(backend, store=dist.PrefixStore(f"nanokl/attempt_{attempt}", store), rank=R,
-                                    world_size=W, timeout=timeout)
+                                    world_size=W, timeout=timeout, device_id=device_id)
         else:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     return rank(), world(), local_device()
 
 

@@ -86,3 +86,23 @@ def test_other_warnings_pass_through(monkeypatch, tmp_path, capsys):
         assert D.local_device("auto") == torch.device("cuda:0")
     assert [str(w.message) for w in shown] == ["something unrelated"]
     assert capsys.readouterr().err == ""
+
+
+def test_init_binds_nccl_to_the_local_gpu(monkeypatch):
+    """Under torchrun on CUDA, init names this process's GPU (LOCAL_RANK) to set_device and to the process
+    group (device_id): NCCL left to guess maps rank -> GPU by the global rank and warns it may hang (first
+    H200 run). Simulated: rank 9 of 16 on a node whose local rank is 1; the calls are recorded, not made."""
+    for k, v in {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(D.dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    monkeypatch.setattr(D, "rank", lambda: 9)
+    monkeypatch.setattr(D, "world", lambda: 16)
+    monkeypatch.setattr(D, "local_device", lambda setting="auto": torch.device("cuda", 1))
+    assert D.init() == (9, 16, torch.device("cuda", 1))
+    assert calls["backend"] == "nccl"
+    assert calls["device_id"] == torch.device("cuda", 1) == calls["set_device"]
