@@ -63,7 +63,7 @@ def ppo_step(run, step) -> dict:
     # 1. rollout: n responses per prompt, with the sampler's log-prob of each token (mu's)
     with timer(metrics, "gen", device):
         out, examples = run.respond(run, rows=rows, step=step, generator=gen, metrics=metrics)
-    batch, rmask = workers.rollout_batch(out), out.response_mask
+    batch = workers.rollout_batch(out)
 
     # 2. score each response (the task's rule, or the reward model); the score sits on its last token
     with timer(metrics, "reward", device):
@@ -83,10 +83,11 @@ def ppo_step(run, step) -> dict:
         # 4. KL in the reward: r_t = score_t - beta * KL_t, and the controller moves beta
         rewards, kl_metrics = run.kl_reward(run, batch, scores)
         metrics.update(kl_metrics)
-        # 5. advantages: GAE with the critic (whitened over all ranks), or a baseline (the group; remax: greedy)
+        # 5. advantages: GAE with the critic (whitened over all ranks), or a baseline (the group; remax: greedy),
+        #    over the tokens step 3 kept (verl's compute_advantage reads the mask rollout_rs rewrote)
         index = torch.arange(len(rows)).repeat_interleave(ro.n)  # the prompt of each response
-        batch["advantages"], batch["returns"] = run.estimator.fn(rewards, rmask, batch["values"], index, alg,
-                                                                 dist.all_reduce_moments,
+        batch["advantages"], batch["returns"] = run.estimator.fn(rewards, batch["response_mask"], batch["values"], index,
+                                                                 alg, dist.all_reduce_moments,
                                                                  baselines=run.baselines(run, examples, metrics))
 
     # 6. update: critic first (verl's order), then the actor once critic_warmup has passed

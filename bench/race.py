@@ -5,6 +5,7 @@
     python bench/race.py --no-nanokl --trl g4_lr2e-5:lr=2e-5,gens=4 --trl g8_lr5e-5:lr=5e-5,gens=8 --horizon 1
     python bench/race.py --no-nanokl --trl g8_t06:temp=0.6 --horizon 1    # TRL gets nanokl's sampling temperature too
     python bench/race.py --nanokl rloo:algorithm.adv_estimator=rloo,actor_rollout_ref.rollout.n=4 --no-trl
+    python bench/race.py --nanokl default --nanokl dapo:config=configs/dapo_arith.yaml --no-trl --horizon 1
     python bench/race.py --tiny --model DIR               # seconds, no TRL: the test suite's mode
 
 What a user compares before picking a trainer: same warm start, same machine, same minutes; how
@@ -129,7 +130,11 @@ def format_ceiling(cfg, examples) -> float:
 
 
 def base_config(args, overrides):
-    return load_config(ROOT / "configs" / "arith_tiny.yaml", [
+    """arith_tiny.yaml, or the config a setting names (`config=configs/dapo_arith.yaml`), with the race's
+    own keys (no logging, no validation or checkpoints in the run: the race evaluates) and the overrides."""
+    path = next((o.partition("=")[2] for o in overrides if o.startswith("config=")), "configs/arith_tiny.yaml")
+    overrides = [o for o in overrides if not o.startswith("config=")]
+    return load_config(ROOT / path, [
         f"trainer.default_local_dir={args.out}/nanokl_run", "trainer.logger=[]", "trainer.val_before_train=false",
         "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.device=cpu",
         "trainer.kl_monitor.enable=false", "trainer.total_training_steps=1000000",

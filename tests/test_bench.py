@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -194,6 +195,19 @@ def test_race_test_set_is_held_out():
     assert not set(prompts) & {ex["prompt"] for ex in train}
     assert all(arith._is_val_problem(p) for p in prompts)
     assert race.test_set(cfg, val, 512, 7) == test and race.test_set(cfg, val, 512, 8) != test
+
+
+def test_race_setting_may_name_its_config():
+    """A race setting `config=PATH` starts from that file instead of arith_tiny.yaml (the DAPO arm), the
+    race's own keys and the other overrides on top."""
+    race = _race()
+    from nanokl.harness.config import load_config
+    args = SimpleNamespace(out="o", model=None, common=[])
+    cfg = race.base_config(args, ["config=configs/dapo_arith.yaml", "trainer.seed=7"])
+    want = load_config(ROOT / "configs" / "dapo_arith.yaml")
+    assert cfg.algorithm.filter_groups.enable and cfg.algorithm.adv_estimator == want.algorithm.adv_estimator == "grpo"
+    assert cfg.trainer.seed == 7 and cfg.trainer.test_freq == -1 and not cfg.trainer.kl_monitor.enable
+    assert race.base_config(args, []).algorithm.adv_estimator == "gae"
 
 
 def test_race_tiny(sft_dir, tmp_path):

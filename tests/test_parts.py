@@ -238,6 +238,33 @@ def test_sequence_is_and_rejection_equal_offlines_weights_and_mask():
     assert w is None and same is batch["response_mask"] and metrics == {}
 
 
+def test_advantages_read_the_mask_rejection_left(sft_dir, tmp_path):
+    """Step 5 of ppo_step takes the response_mask that step 3's correct part returned, as verl's
+    compute_advantage reads the batch's mask after rollout_rs rewrote it: GAE whitens over the kept
+    tokens only. The part is scripted here to reject the second half of the responses."""
+    import train_ppo
+    from nanokl.harness.config import parse_cli
+    from nanokl.harness.run import setup
+    run = setup(parse_cli(["--config", str(TINY), "data.num_train=16", "data.num_val=0", "data.train_batch_size=4",
+                           "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.logger=[jsonl]",
+                           "trainer.val_before_train=false", f"actor_rollout_ref.model.path={sft_dir}",
+                           f"trainer.default_local_dir={tmp_path}"]))
+    kept, seen = {}, []
+
+    def reject_half(run_, batch, rollout_log_probs):
+        mask = batch["response_mask"].clone()
+        mask[len(mask) // 2:] = 0
+        kept["mask"] = mask
+        return None, mask, {}
+    estimator = run.estimator
+    run.correct = reject_half
+    run.estimator = SimpleNamespace(
+        fn=lambda rewards, mask, *a, **k: seen.append(mask) or estimator.fn(rewards, mask, *a, **k))
+    train_ppo.ppo_step(run, 0)
+    assert len(seen) == 1 and seen[0] is kept["mask"] and 0 < int(seen[0].sum())
+
+
 # ---------------------------------------------------------------------------------------------
 # validate with n > 1: verl's best@k / worst@k / maj@k
 # ---------------------------------------------------------------------------------------------
