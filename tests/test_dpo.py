@@ -4,7 +4,11 @@ and the lesson's claim: DPO's population optimum on a bandit is π* ∝ π_ref e
 How the tests prove it. Both losses and their gradients with respect to all four inputs equal
 float64 closed forms written by hand, including β h = ±50 where the naive log(1 + exp(−βh))
 overflows; the metrics equal python loops; sequence_log_probs equals a python loop with NaN/inf
-under the mask. And the claim of nanokl/dpo.py, numerically: on a one-prompt bandit with 4
+under the mask. The update itself (update_policy on a tiny float64 model, micro-batched): its
+loss and gradient equal the papers' gradient written out on per-row float64 log-probs, to 1e-6
+(with float64 logits; to float32 rounding with the step's fp32 logits). IPO's h is on summed
+log-probs in nanokl (the paper's); TRL's "ipo" averages them over tokens (bench/dpo_trl.py
+compares the two trainers). And the claim of nanokl/dpo.py, numerically: on a one-prompt bandit with 4
 responses and Bradley-Terry preferences in true rewards r, minimising the exact expected DPO loss
 over the policy's logits recovers π* ∝ π_ref exp(r/β) (log π/π_ref − r/β constant across
 responses).
@@ -142,3 +146,82 @@ def test_expected_dpo_loss_recovers_the_kl_regularized_optimum():
     assert torch.allclose(torch.softmax(logits.detach(), 0), target / target.sum(), atol=1e-5)
     # and it is not the reference policy nor the greedy one: the test can fail
     assert float((torch.softmax(logits.detach(), 0) - ref).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("fp32_logits", [False, True])
+@pytest.mark.parametrize("loss_type", DPO_LOSSES)
+def test_update_gradient_equals_float64_per_pair_formula(loss_type, fp32_logits, monkeypatch):
+    # The whole path a training step takes: a model's micro-batched response log-probs, their
+    # masked sums (nanokl sums log-probs over the response for IPO too; TRL's "ipo" averages them),
+    # the per-pair loss and its mean over pairs (two micro-batches accumulating). A step takes
+    # both models' logits in fp32 (workers.response_logits), which alone puts ~1e-6 on h (measured:
+    # 2e-6 on an IPO loss of 1.8): so the update is checked to 1e-6 with float64 logits (the same
+    # slicing, no cast) and to float32 rounding as trained. Reference: each row run alone,
+    # unpadded, in float64, and the papers' gradient written out:
+    #   ∇ (1/P) Σ_k ℓ(h_k) = (1/P) Σ_k ℓ'(h_k) (∇log π(y_w,k) − ∇log π(y_l,k)),
+    #   ℓ' = −β σ(−β h) (DPO, Rafailov et al. eq. 7)  or  2 (h − 1/(2β)) (IPO, Azar et al. eq. 17).
+    from types import SimpleNamespace
+    from nanokl import dpo
+    from nanokl.batching import Batching
+    from nanokl.workers import compute_log_probs
+    from test_workers import Recorder, rollout_batch, tiny
+
+    beta, T = 0.3, 0.8
+    ref = tiny().double().eval()
+    batch, out = rollout_batch(ref, B=6, R=7)  # rows (2k, 2k+1) are pair k: 3 pairs
+    P = out.prompt_length
+
+    def token_log_probs(model, b):  # log π of each response token of row b: its own unpadded forward
+        real = batch["attention_mask"][b].bool()
+        seq = batch["sequences"][b][real]
+        n_prompt = int(batch["attention_mask"][b, :P].sum())
+        logits = model(seq[None])[0] / T
+        return [logits[n_prompt + t - 1].log_softmax(-1)[seq[n_prompt + t]]
+                for t in range(int(batch["response_mask"][b].sum()))]
+
+    if fp32_logits:  # fp32, as the step computes them
+        batch["ref_log_probs"], _ = compute_log_probs(ref, batch, T)
+    else:  # float64 everywhere: response_logits' slicing without its fp32 cast, float64 reference log-probs
+        def logits64(model, mb, temperature, packed=False):
+            R = mb["responses"].shape[1]
+            logits = model(mb["sequences"], mb["attention_mask"], mb["position_ids"], logits_to_keep=R + 1)
+            return logits[:, :-1] / temperature
+        monkeypatch.setattr(dpo, "response_logits", logits64)
+        batch["ref_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float64)
+        with torch.no_grad():
+            for b in range(6):
+                lps = token_log_probs(ref, b)
+                batch["ref_log_probs"][b, :len(lps)] = torch.stack(lps) if lps else 0.0
+    pol = tiny().double()
+    with torch.no_grad():  # off π_ref, so that the pairs have different h and weights
+        for p in pol.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    opt = Recorder(pol.parameters())
+    a = SimpleNamespace(loss_mode={"sigmoid": "dpo", "ipo": "ipo"}[loss_type], ppo_epochs=1, grad_clip=1e9)
+    m = dpo.update_policy(pol.train(), opt, batch, a, T, mini_size=6, spec=Batching(micro_size=2), beta=beta)
+    params = list(pol.parameters())
+
+    def seq_log_prob(model, b):  # log π(y) of row b: a python sum over its tokens
+        return sum(token_log_probs(model, b))
+
+    want_loss, want_grad = 0.0, [torch.zeros_like(p) for p in params]
+    for k in range(3):
+        with torch.no_grad():
+            r_w, r_l = (float(seq_log_prob(ref, b)) for b in (2 * k, 2 * k + 1))
+        lp_w, lp_l = seq_log_prob(pol, 2 * k), seq_log_prob(pol, 2 * k + 1)
+        h = (lp_w.item() - r_w) - (lp_l.item() - r_l)
+        if loss_type == "sigmoid":
+            want_loss += stable_neg_log_sigmoid(beta * h) / 3
+            dh = -beta * sigmoid(-beta * h)
+        else:
+            want_loss += (h - 1 / (2 * beta)) ** 2 / 3
+            dh = 2 * (h - 1 / (2 * beta))
+        g_w = torch.autograd.grad(lp_w, params)
+        g_l = torch.autograd.grad(lp_l, params)
+        for acc, gw, gl in zip(want_grad, g_w, g_l):
+            acc += dh * (gw - gl) / 3
+    tol = 2e-5 if fp32_logits else 1e-6  # the logged loss is a float32 metric either way
+    assert m["actor/dpo_loss"][0] == pytest.approx(want_loss, abs=tol)
+    scale = max(float(g.abs().max()) for g in want_grad)
+    assert scale > 1e-3  # the gradient is not trivially zero: the test can fail
+    assert max(float((g - w).abs().max()) for g, w in zip(opt.seen, want_grad)) <= tol * max(1.0, scale)
