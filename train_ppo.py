@@ -40,7 +40,7 @@ from nanokl import dist, dpo, workers
 from nanokl.harness.config import parse_cli, run_cli
 from nanokl.harness.data import rank_rows
 from nanokl.harness.metrics import step_metrics, timer
-from nanokl.harness.run import TrainingStopped, end_step, setup, steps
+from nanokl.harness.run import TrainingStopped, end_step, finish, setup, steps
 from nanokl.harness.scoring import score_batch
 
 
@@ -144,7 +144,7 @@ def main(argv=None):
         metrics = step_fn(run, step)
         if not end_step(run, step, metrics):  # validate, guard, monitor, checkpoint, log
             break
-    run.tracker.close()
+    finish(run)  # close the tracker; rank 0 prints the run's summary and writes summary.json
 
 
 def cli():

@@ -73,6 +73,11 @@ class KLMonitorConfig:
     rollback_beta_factor: float = 2.0  # rollback: beta is multiplied by this after reloading
     rollback_min_beta: float = 0.01  # rollback: beta is first raised to at least this (0 times a factor is 0)
     max_rollbacks: int = 3  # a rollback beyond this many becomes a stop (no endless reload loop)
+    # the reference's consistency (nanokl/harness/ref_check.py): its log-probs on a fixed probe batch, recorded at
+    # start, are recomputed every this-many steps and must be bit-equal, else the run stops naming the likely cause
+    # (0: never; only with enable; the storage test at setup runs regardless). One forward of 8 short rows: on the
+    # default run ~1% of a step's time, so every 10 steps ~0.1%; a shared reference is caught within 10 steps
+    ref_check_freq: int = 10
 
 
 @dataclass

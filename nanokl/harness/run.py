@@ -10,14 +10,18 @@ below read and update; no trainer class hierarchy.
                                    estimator needs one), a rollout copy where one is needed
                                    (nanokl/dist.py), optimizers, KL controllers, the task's
                                    examples; the warm start / reward model trained first when
-                                   missing; resume from the latest checkpoint (trainer.resume_mode)
+                                   missing; the reference's storage test and its probe
+                                   (harness/ref_check.py); resume from the latest checkpoint
+                                   (trainer.resume_mode)
     for step in steps(run):
         metrics = ppo_step(run, step)
         if not end_step(run, step, metrics):     validation every test_freq, the NaN guard, the
-            break                                KL monitor (warn, adjust, stop, roll back),
+            break                                KL monitor (warn, adjust, stop, roll back), the
+                                                 reference check every ref_check_freq steps,
                                                  checkpoint every save_freq (and on a preemption
                                                  signal), one metrics.jsonl row
-    run.tracker.close()
+    finish(run)                    close the tracker; the run's summary, printed and written as
+                                   summary.json beside metrics.jsonl (harness/summary.py)
 
 The two KL coefficients are controllers (nanokl/kl_ctrl.py): `run.kl_ctrl` is beta in the reward
 (fixed or adaptive, algorithm.kl_ctrl, following a target_kl schedule when one is given),
@@ -46,7 +50,7 @@ from tqdm import tqdm
 from nanokl import dist
 from nanokl.advantages import ESTIMATORS
 from nanokl.batching import Batching
-from nanokl.harness import remedies, variants
+from nanokl.harness import ref_check, remedies, summary, variants
 from nanokl.harness.checkpoint import latest_checkpoint, verify_checkpoint
 from nanokl.harness.config import config_to_dict, save_config
 from nanokl.harness.config_io import ConfigError, UserError
@@ -115,6 +119,8 @@ class Run:
     nan_streak: int = 0
     healthy_step: int | None = None  # the last checkpoint a rollback may return to
     preempt: Preemption | None = None  # set by steps(): a SIGTERM / SIGUSR1 ends the run after its step
+    ref_probe: tuple | None = None  # (probe batch, the reference's log-probs on it at start): harness/ref_check.py
+    ended: str | None = None  # how the run stopped early, for its summary (None: it ran to its last step)
 
 
 def batching_specs(cfg) -> dict:
@@ -277,6 +283,8 @@ def setup(cfg) -> Run:
               monitor=KLMonitor(km) if km.enable else None, tracker=None, specs=batching_specs(cfg),
               total_steps=total_steps, bypass=bypass,
               **variants.choose(cfg, critic=critic is not None, bypass=bypass))
+    ref_check.check_setup(run)  # a reference sharing the actor's memory, or trainable: stop before any step
+    run.ref_probe = ref_check.record(run)  # at every start: a resumed run reloads the reference from its path
     if ckpt:
         resume(run, ckpt)
     rollback_on = run.monitor is not None and "rollback" in {getattr(km, f"{k}_action") for k in CHECKS}
@@ -300,6 +308,15 @@ def setup(cfg) -> Run:
     if t.val_only:  # verl's trainer.val_only: the validation above is the whole run
         run.total_steps = run.start
     return run
+
+
+def finish(run):
+    """The end of a run, however it ended (main's last line; a NaN stop calls it before raising): close
+    the tracker, then rank 0 writes summary.json beside metrics.jsonl and prints the summary
+    (nanokl/harness/summary.py)."""
+    run.tracker.close()
+    if run.rank == 0:
+        summary.report(run.run_dir, config_to_dict(run.cfg), run.ended or "finished")
 
 
 def _max_samples(rows, n, shuffle=False, seed=0):
@@ -356,7 +373,8 @@ def _say(run, message):
 
 
 def end_step(run, step, metrics) -> bool:
-    """After step `step`: validation, the NaN guard, the KL monitor, checkpoint, log. False ends the run."""
+    """After step `step`: validation, the NaN guard, the KL monitor, the reference check, checkpoint, log.
+    False ends the run."""
     t = run.cfg.trainer
     done = step + 1
     last = done == run.total_steps
@@ -370,6 +388,8 @@ def end_step(run, step, metrics) -> bool:
     if run.nan_streak >= MAX_NAN_STEPS:
         path = save(run, done, healthy=False)
         run.tracker.log(metrics, step=done)
+        run.ended = f"NaN stop at step {done}"
+        finish(run)
         raise TrainingStopped(f"stopped at step {done}: {MAX_NAN_STEPS} steps in a row had a non-finite loss "
                               f"or gradient (updates skipped); checkpoint saved to {path}")
     actions, events = set(), []
@@ -388,13 +408,17 @@ def end_step(run, step, metrics) -> bool:
             else:
                 _say(run, f"kl_monitor: rolled back to {back} ({run.cfg.trainer.kl_monitor.rollback_recipe}); beta is "
                           f"now {run.kl_ctrl.value:.4g} ({run.kl_ctrl.kind})")
-    if "stop" in actions:
+    changed = ref_check.recheck(run, done, metrics)  # every ref_check_freq steps: is the reference unchanged?
+    if "stop" in actions or changed:
         path = save(run, done, healthy=False)
         run.tracker.log(metrics, step=done)
-        if run.rank == 0:
-            which = ", ".join(e.check for e in events if e.action == "stop") or "rollback impossible"
+        which = ", ".join(e.check for e in events if e.action == "stop") or "rollback impossible"
+        run.ended = f"reference check stop at step {done}" if changed else f"kl_monitor stop at step {done} ({which})"
+        if run.rank == 0 and "stop" in actions:
             print(f"kl_monitor stopped the run at step {done} (check: {which}); checkpoint saved to {path}",
                   file=sys.stderr)
+        if changed:
+            _say(run, f"{changed}; checkpoint saved to {path}")
         return False
     preempted = run.preempt is not None and run.preempt.requested()  # the same answer on every rank
     if (t.save_freq > 0 and (done % t.save_freq == 0 or last)) or preempted:  # save_freq -1: none, as verl
@@ -402,6 +426,7 @@ def end_step(run, step, metrics) -> bool:
             path = save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe)
     run.tracker.log(metrics, step=done)
     if preempted and not last:
+        run.ended = f"preempted after step {done}"
         _say(run, f"preempted ({run.preempt.signal or 'another rank was signalled'}): step {done} finished and "
                   f"checkpoint saved to {path}; exiting. The same command resumes from it")
         return False
