@@ -31,10 +31,63 @@ hundred to a few thousand), so that K_β·0.2 is a few percent per step.
 Keep n_steps/horizon below 5: at the maximal error −0.2 the multiplier 1 + e·n/H would reach
 zero and β would lose its sign; `update` refuses that rather than silently flipping it.
 
+Why Ziegler's controller settles above its target
+-------------------------------------------------
+In u = log β the rule is already an integrator of the clipped error c_t = clip(e_t, ±0.2),
+e_t = KL_t/KL_target − 1:  u_t+1 = u_t + log(1 + K c_t) ≈ u_t + K c_t  (K = n_steps/horizon).
+Summed over N steps,
+
+    mean(c) ≈ (u_end − u_start) / (K · N)                                            (1)
+
+so the error averages to zero only where β ends where it started. On a plant that stands still
+(a fixed relation between β and KL) it does: a loop with one integrator follows a constant
+setpoint with no steady-state error. Training is not such a plant. As the policy learns, the
+reward pulls it ever further from π_ref, and holding the KL takes a β that keeps rising: a ramp
+in u. A loop with one integrator follows a ramp with a constant error (a "type 1" system;
+Franklin, Powell & Emami-Naeini, Feedback Control of Dynamic Systems, ch. 4), here by (1)
+mean(c) = g/K for u rising g per step: β tripling over 150 steps at K = 0.1 is a standing +7%.
+Clipping adds a second, smaller bias in the same direction: the fixed point of (1) is E[c] = 0,
+a location between the median and the mean of KL/target, and the batch KL is right-skewed
+(e ≥ −1 but unbounded above; spikes count only +0.2), so its mean sits above that location.
+(The default run settles +13% above its target, median of 3 seeds; bench/RESULTS.md.)
+
+The integral term (`type: pi`, beyond verl)
+-------------------------------------------
+The textbook cure for a ramp is a second integrator (Åström & Murray, Feedback Systems, 2008,
+ch. 10-11: PI control, integrator windup, phase margin). Read Ziegler's rule as the *proportional* term of
+β's rate, and give the rate an integral term that remembers the error:
+
+    I_t   = clamp(I_t−1 + K · min(e_t, 1),  0, integral_limit)
+    β_t+1 = β_t · (1 + K · (c_t + ki · I_t))
+
+I stops moving only where mean(min(e, 1)) = 0: the mean KL itself on target (a batch above twice
+the target counts as twice: one outlier moves I by at most K), whatever rate β must climb at; the
+integral supplies that rate, K·ki·I per step, so c no longer has to. ki = 0 is Ziegler's rule,
+bit for bit. Three choices (tests/test_kl_ctrl_pi.py checks the settling and the anti-windup
+on a simulated closed loop):
+  * ki small against the proportional term. With a plant whose KL follows β with a lag of about
+    1/a steps, the loop's crossover is near K per step and the integral's zero at ki·K; the phase
+    margin is atan(1/ki) − atan(K/a): ki = 0.3 keeps ~28° at a = 0.1 and ~47° at a = 0.2, while
+    ki = 1 leaves none and the loop oscillates.
+  * a one-sided integral, I ≥ 0: anti-windup (Åström & Murray §10.4). At start-up the policy is
+    π_ref, KL ≈ 0 and e ≈ −1 for tens of steps; a two-sided integral would wind down to its limit
+    and the KL would overshoot once it came. Both things the integral is for push β the same way
+    (the drift away from π_ref raises β; with the mean on target the median of a right-skewed KL
+    is below it, so mean(c) < 0 must be offset by ki·I > 0), so clamping at 0 costs little: on a
+    plant with no drift, noise holds I slightly above 0 and the KL ~1% below target.
+  * a clamp at integral_limit: the extra rate is at most K·ki·integral_limit a step (3% at the
+    defaults). The clamp applies after each step's addition, so a saturated integral moves back
+    as soon as the error changes sign: it may always unwind.
+What it did on the default run (bench/RESULTS.md, seed 42): not better. Between steps 100 and 200
+holding the KL took a β 27 times larger, a ramp of 3% a step (Ziegler's clip allows 2%), and the
+integral held it (+5%); when the drift stopped, the β the integral had built up outlived it and
+the second half averaged −31%, with lower accuracy. A ramp that ends is the case where a second
+integrator overshoots; the default stays `adaptive`, and `pi` is there to measure and to build on.
+
 Two coefficients, one kind of object
 ------------------------------------
-The same classes hold both KL weights of a run: β in the reward (algorithm.kl_ctrl: fixed or
-adaptive) and the weight of the KL *loss* (actor.kl_loss_coef; `make_kl_loss_controller`). Each is
+The same classes hold both KL weights of a run: β in the reward (algorithm.kl_ctrl: fixed,
+adaptive or pi) and the weight of the KL *loss* (actor.kl_loss_coef; `make_kl_loss_controller`). Each is
 state, not configuration: the KL monitor's rollback raises both (nanokl/harness/run.py), and
 both are saved in every checkpoint with `state_dict()` and restored with `load_state_dict()`,
 so a resumed run continues with the coefficients it had, not the ones the config started from.
@@ -113,12 +166,15 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Proportional controller of Ziegler et al. 2019; `value` is the current β, `target` the KL it
-    steers toward (scale * the schedule's target at the fraction of training last followed).
+    """Proportional controller of Ziegler et al. 2019 (ki = 0), or with the integral term (ki > 0,
+    kl_ctrl.type pi); `value` is the current β, `target` the KL it steers toward (scale * the
+    schedule's target at the fraction of training last followed), `integral` the integral term's
+    state. Both kinds steer toward a target, so the trainer treats them alike (kind "adaptive").
     Differs from verl: see README, 'Where nanokl differs from verl'."""
     kind = "adaptive"
 
-    def __init__(self, init_kl_coef: float, target_kl, horizon: float, interp: str = "step"):
+    def __init__(self, init_kl_coef: float, target_kl, horizon: float, interp: str = "step",
+                 ki: float = 0.0, integral_limit: float = 1.0):
         if init_kl_coef <= 0:
             # A multiplicative update can never move β away from zero.
             raise ValueError(f"adaptive init_kl_coef must be > 0, got {init_kl_coef}")
@@ -127,6 +183,9 @@ class AdaptiveKLController:
             raise ValueError(f"adaptive target_kl must be > 0, got {target_kl}")
         if horizon <= 0:
             raise ValueError(f"adaptive horizon must be > 0, got {horizon}")
+        if ki < 0 or integral_limit <= 0:
+            raise ValueError(f"pi needs ki >= 0 and integral_limit > 0, got ki={ki}, integral_limit={integral_limit}")
+        self.ki, self.integral_limit, self.integral = float(ki), float(integral_limit), 0.0
         self.value = float(init_kl_coef)
         self.schedule, self.interp, self.scale = target_kl, interp, 1.0
         self.target = target_at(target_kl, 0.0, interp)
@@ -139,6 +198,10 @@ class AdaptiveKLController:
     def update(self, current_kl, n_steps) -> None:
         """current_kl: batch mean of per-response mean token KL; n_steps: #responses."""
         err = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        if self.ki:  # pi: the rate also carries the (one-sided, clamped) integral of the error
+            raw = min(float(current_kl) / self.target - 1.0, 1.0)
+            self.integral = min(max(self.integral + raw * float(n_steps) / self.horizon, 0.0), self.integral_limit)
+            err = err + self.ki * self.integral
         mult = 1.0 + err * float(n_steps) / self.horizon
         if mult <= 0.0:
             raise ValueError(
@@ -148,24 +211,28 @@ class AdaptiveKLController:
         self.value *= mult
 
     def state_dict(self) -> dict:
-        return {"value": float(self.value), "type": self.kind, "scale": self.scale, "target": self.target}
+        return {"value": float(self.value), "type": "pi" if self.ki else self.kind, "scale": self.scale,
+                "target": self.target, "integral": self.integral}
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
         self.scale = float(state.get("scale", 1.0))
         self.target = float(state.get("target", self.target))
+        self.integral = float(state.get("integral", 0.0))
 
 
 def make_kl_controller(kl_ctrl_cfg):
     """Build a controller from a config with attributes type, kl_coef, target_kl, horizon
-    (the names of verl's algorithm.kl_ctrl)."""
+    (the names of verl's algorithm.kl_ctrl), and for type pi ki and integral_limit."""
     kind = kl_ctrl_cfg.type
     if kind == "fixed":
         return FixedKLController(kl_ctrl_cfg.kl_coef)
-    if kind == "adaptive":
+    if kind in ("adaptive", "pi"):
         return AdaptiveKLController(kl_ctrl_cfg.kl_coef, kl_ctrl_cfg.target_kl, kl_ctrl_cfg.horizon,
-                                    getattr(kl_ctrl_cfg, "target_kl_interp", "step"))
-    raise ValueError(f"unknown kl_ctrl.type {kind!r}; valid types are 'fixed', 'adaptive'")
+                                    getattr(kl_ctrl_cfg, "target_kl_interp", "step"),
+                                    ki=getattr(kl_ctrl_cfg, "ki", 0.3) if kind == "pi" else 0.0,
+                                    integral_limit=getattr(kl_ctrl_cfg, "integral_limit", 1.0))
+    raise ValueError(f"unknown kl_ctrl.type {kind!r}; valid types are 'fixed', 'adaptive', 'pi'")
 
 
 def make_kl_loss_controller(actor_cfg):

@@ -255,12 +255,15 @@ class OverlongBufferConfig:
 
 @dataclass
 class KLCtrlConfig:
-    type: Literal["fixed", "adaptive"] = "fixed"  # fixed beta, or beta steered toward target_kl
+    # fixed beta, or beta steered toward target_kl: adaptive (Ziegler's), or pi (nanokl-only: + an integral term)
+    type: Literal["fixed", "adaptive", "pi"] = "fixed"
     kl_coef: float = 0.001  # beta: the (initial) weight of the KL penalty in the reward
-    horizon: int = 10000  # adaptive: responses over which beta may move by ~20%
-    # adaptive: per-token KL the controller steers toward; or a schedule [[fraction of training, target], ...]
+    horizon: int = 10000  # adaptive, pi: responses over which beta may move by ~20%
+    # adaptive, pi: per-token KL the controller steers toward; or a schedule [[fraction of training, target], ...]
     target_kl: Union[float, list[list[float]]] = 0.1
     target_kl_interp: Literal["step", "linear"] = "step"  # a schedule: piecewise constant, or linear between points
+    ki: float = 0.3  # pi (nanokl-only): weight of the integral of the error in beta's rate (kl_ctrl.py)
+    integral_limit: float = 1.0  # pi (nanokl-only): anti-windup, 0 <= integral <= this (in horizons x error)
 
 
 @dataclass

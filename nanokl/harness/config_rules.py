@@ -82,7 +82,7 @@ _RULES = [
       _C + "ppo_mini_batch_size", _C + "ppo_micro_batch_size_per_gpu", _C + "ppo_max_token_len_per_gpu",
       _C + "forward_max_token_len_per_gpu", _C + "ppo_epochs", _C + "grad_clip", _C + "cliprange_value",
       "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
-      "algorithm.kl_ctrl.horizon", _A + "kl_loss_ctrl.horizon", _R + "tensor_model_parallel_size",
+      "algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.integral_limit", _A + "kl_loss_ctrl.horizon", _R + "tensor_model_parallel_size",
       "trainer.n_gpus_per_node", "trainer.nnodes", _A + "ppo_micro_batch_size", _C + "ppo_micro_batch_size",
       "actor_rollout_ref.ref.log_prob_micro_batch_size", _R + "log_prob_micro_batch_size",
       _C + "forward_micro_batch_size", _C + "forward_micro_batch_size_per_gpu", "reward_model.micro_batch_size",
@@ -98,7 +98,7 @@ _RULES = [
       _S + "intermediate_size", _S + "max_position_embeddings"],
      lambda v: v > 0, "> 0"),
     (["data.num_val", "data.seed", "trainer.seed", "trainer.critic_warmup", _A + "kl_loss_coef",
-      "algorithm.kl_ctrl.kl_coef", "reward_model.missing_eos_penalty", _M + "kl_low", _M + "entropy_min", _M + "rollback_min_beta", _M + "collapse_entropy",
+      "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.ki", "reward_model.missing_eos_penalty", _M + "kl_low", _M + "entropy_min", _M + "rollback_min_beta", _M + "collapse_entropy",
       _M + "max_rollbacks", "trainer.val_kl_prompts", "reward_model.train.num_val_prompts", "reward_model.train.seed",
       _R + "val_kwargs.temperature", _A + "optim.lr", _A + "optim.weight_decay",
       _C + "optim.lr", _C + "optim.weight_decay"],
@@ -423,11 +423,11 @@ def startup_notes(cfg) -> list[str]:
         if _differs(value, _get(defaults, key)):
             lines.append(f"note: {key}={value!r}: {note}")
     alg, a = cfg.algorithm, cfg.actor_rollout_ref.actor
-    if alg.kl_ctrl.type == "adaptive" and not alg.use_kl_in_reward and a.loss_mode == "ppo":
+    if alg.kl_ctrl.type in ("adaptive", "pi") and not alg.use_kl_in_reward and a.loss_mode == "ppo":
         fix = ("set algorithm.use_kl_in_reward=true to penalise KL in the reward" if not a.use_kl_loss else
                f"the KL loss's coefficient has its own, {_A}kl_loss_ctrl" if a.kl_loss_ctrl.type == "adaptive" else
                f"to steer the KL loss's coefficient set {_A}kl_loss_ctrl.type=adaptive")
-        lines.append(f"warning: algorithm.kl_ctrl.type=adaptive steers beta of the in-reward KL penalty, but "
+        lines.append(f"warning: algorithm.kl_ctrl.type={alg.kl_ctrl.type} steers beta of the in-reward KL penalty, but "
                      f"algorithm.use_kl_in_reward is false: the controller has nothing to steer; {fix}")
     if a.kl_loss_ctrl.type == "adaptive" and not a.use_kl_loss:
         lines.append(f"warning: {_A}kl_loss_ctrl.type=adaptive steers kl_loss_coef, but {_A}use_kl_loss is false: "
