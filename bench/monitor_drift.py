@@ -12,6 +12,13 @@ kl_high_adjust = {knob: actor_lr, factor: 0.5, limit: 1e-5}. The table
 gives, for each run, the first step the KL left the band upward, the step it was back inside
 (adjust) and what fraction of the steps after that stayed inside; the plot, the KL of both runs
 against the band, and beta.
+
+    python bench/monitor_drift.py --escalation    # issue 27's drift: 25x the lr, fixed beta, 60 steps
+
+The escalation table: arith_tiny.yaml with the actor lr 25x (5e-4) and a fixed beta, kl_band_action
+adjust, under each trainer.kl_monitor.escalation (none: beta x1.5 only; lr: then actor_lr x0.5; reference:
+then actor_lr x0.5 with the reference weights reloaded, the default), and `warn` for the drift itself:
+the step of each action and the KL of the last 10 steps against arith_tiny's band.
 """
 
 import argparse
@@ -31,11 +38,35 @@ DRIFT = ["algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0.05", "acto
          "trainer.save_freq=-1", "trainer.kl_monitor.enable=true", "trainer.logger=[jsonl]",
          # as measured (bench/RESULTS.md): temperature 1 and the band around 0.05, arith_tiny's before the race
          "actor_rollout_ref.rollout.temperature=1.0", "trainer.kl_monitor.kl_low=0.02", "trainer.kl_monitor.kl_high=0.08",
-         "trainer.kl_monitor.entropy_min=0.05"]
+         "trainer.kl_monitor.entropy_min=0.05",
+         # as recorded: the band acts at its edges (not at the article's 0.15 / 0.01), no escalation, no quiet start
+         "trainer.kl_monitor.kl_high_act=0.08", "trainer.kl_monitor.kl_low_act=0.02",
+         "trainer.kl_monitor.escalation=none", "trainer.kl_monitor.warmup_steps=0"]
+
+
+ESCALATE = ["actor_rollout_ref.actor.optim.lr=5e-4", "algorithm.kl_ctrl.type=fixed", "trainer.total_training_steps=60",
+            "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[jsonl]"]
+ESCALATIONS = {"warn": ["trainer.kl_monitor.kl_band_action=warn"],
+               **{f"escalation_{e}": ["trainer.kl_monitor.kl_band_action=adjust",
+                                      f"trainer.kl_monitor.escalation={e}"] for e in ("none", "lr", "reference")}}
 
 
 def rows(name):
     return [json.loads(line) for line in open(OUT / name / "metrics.jsonl") if line.strip()]
+
+
+def escalation_table(low, high):
+    print(f"| run | kl_coef x1.5 at steps | actor_lr cut at steps | mean KL, last 10 steps | "
+          f"of them in [{low}, {high}] |")
+    print("|---|---|---|---|---|")
+    for name in ESCALATIONS:
+        if not (OUT / name / "metrics.jsonl").is_file():
+            continue
+        rs = [r for r in rows(name) if "actor/reward_kl_penalty" in r]
+        at = {k: [r["training/global_step"] for r in rs if f"monitor/adjust/{k}" in r] for k in ("kl_coef", "actor_lr")}
+        last = [r["actor/reward_kl_penalty"] for r in rs[-10:]]
+        print(f"| {name} | {at['kl_coef'] or '-'} | {at['actor_lr'] or '-'} | {sum(last) / len(last):.4f} | "
+              f"{sum(low <= k <= high for k in last)}/{len(last)} |")
 
 
 def moving_mean(values, n=10):
@@ -88,8 +119,20 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", action="store_true", help="re-print and re-plot the runs already in runs/monitor_drift")
     p.add_argument("--plot", default=str(ROOT / "bench" / "monitor_drift.png"))
-    p.add_argument("--only", choices=list(RUNS), help="run only this one (the others from runs/monitor_drift)")
+    p.add_argument("--only", choices=list(RUNS) + list(ESCALATIONS),
+                   help="run only this one (the others from runs/monitor_drift)")
+    p.add_argument("--escalation", action="store_true", help="the 25x-lr drift under each escalation (table only)")
     args = p.parse_args()
+    if args.escalation:
+        from nanokl.harness.config import load_config
+        if not args.report:
+            for name in [args.only] if args.only else list(ESCALATIONS):
+                subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), *ESCALATE, *ESCALATIONS[name],
+                                f"trainer.default_local_dir={OUT / name}", "trainer.resume_mode=disable"],
+                               check=True, cwd=ROOT)
+        mon = load_config(ROOT / "configs" / "arith_tiny.yaml").trainer.kl_monitor
+        escalation_table(mon.kl_low, mon.kl_high)
+        return
     if not args.report:
         for name in [args.only] if args.only else list(RUNS):
             cmd = [sys.executable, str(ROOT / "train_ppo.py"), *DRIFT, *RUNS[name],

@@ -19,8 +19,9 @@ and ρ ≫ 1 the loss −ρA is still unbounded, so one stale token can own the 
 The log-ratio is clamped to [−20, 20] before the exponential so ρ stays finite. Diagnostics, as in
 verl's `compute_policy_loss_vanilla`: pg_clipfrac (clipping active), pg_clipfrac_lower (the dual
 clip active) and ppo_kl = mean of −log ρ, an estimate of KL(π_old‖π_θ): how far the epochs have
-walked from the sampler. With `is_weights` (responses another policy μ sampled, nanokl/offline.py)
-each token's loss is multiplied by w = min(π_old/μ, C) first; μ = π_old gives w = 1, the loss above.
+walked from the sampler; and, for every loss (nanokl's, for the KL monitor), ratio_out_band = the
+share of tokens whose ρ leaves [0.8, 1.2], the offline-RLHF article's band. With `is_weights`
+(responses another policy μ sampled, nanokl/offline.py) each token's loss is multiplied by w = min(π_old/μ, C) first; μ = π_old gives w = 1, the loss above.
 
 Two more policy losses, one signature (`POLICY_LOSSES`, verl's `actor.policy_loss.loss_mode`)
 ---------------------------------------------------------------------------------------------
@@ -76,6 +77,8 @@ the backward, gathering z_y keeps nothing beyond the logits. Entropy H = −Σ p
 logsumexp(z) − Σ softmax(z)·z. Both compute in the logits' dtype (pass float32 for float32).
 """
 
+import math
+
 import torch
 
 from nanokl.masked import masked_mean, zero_masked
@@ -106,6 +109,19 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None)
         seq_losses = token_sums / (loss_mask.shape[-1] if horizon is None else horizon)
     norm = loss_mat.shape[0] if global_norm is None else global_norm
     return seq_losses.sum() / norm
+
+
+RATIO_BAND = (0.8, 1.2)  # the offline-RLHF article's band for π/π_old, watched by the KL monitor
+
+
+def ratio_out_band(old_log_prob, log_prob, response_mask, band=RATIO_BAND):
+    """actor/ratio_out_band: the share of valid tokens whose ratio π_θ/π_old = exp(logp − old_logp)
+    lies outside `band` (the offline-RLHF article keeps it within [0.8, 1.2]; a large share says
+    the update moved far past what one PPO step should, the clip notwithstanding). Compared in
+    log space, so a padded inf never meets the mask."""
+    log_ratio = zero_masked(log_prob, response_mask) - zero_masked(old_log_prob, response_mask)
+    lo, hi = math.log(band[0]), math.log(band[1])
+    return masked_mean(((log_ratio < lo) | (log_ratio > hi)).float(), response_mask)
 
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,

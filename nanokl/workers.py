@@ -53,7 +53,8 @@ from nanokl import dist
 from nanokl.batching import Batching, pack, split
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean, zero_masked
-from nanokl.ppo import POLICY_LOSSES, agg_loss, compute_value_loss, entropy_from_logits, logprobs_from_logits
+from nanokl.ppo import POLICY_LOSSES, agg_loss, compute_value_loss, entropy_from_logits, logprobs_from_logits, \
+    ratio_out_band
 
 
 AUTOCAST = {"cuda": torch.bfloat16}  # device type -> compute dtype of every forward (none: fp32)
@@ -292,7 +293,9 @@ def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(
             kl, kl_sums = kl_loss(mb, logits, logp, norm)
             loss = loss + kl_loss_coef * kl
             sums.update(kl_sums)
-        return loss, sums, {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+        means = {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+        means["actor/ratio_out_band"] = ratio_out_band(mb["old_log_probs"], logp.detach(), mask)  # the monitor's
+        return loss, sums, means
 
     metrics = ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, a.shuffle, a.grad_clip, mode, micro_loss,
                          "actor", generator)

@@ -20,6 +20,12 @@ HEALTHY = {KL: 0.05, KL_VAR: 0.01, ENT: 1.0, RVAR: 0.5}
 
 
 def cfg(**kw):
+    """The tests below were written for a band that acts at its edges (the behaviour before separate act
+    thresholds, kept by setting them to the edges) and without escalation; tests/test_hacking.py tests
+    the article's act thresholds, the escalation and the quiet start."""
+    kw.setdefault("kl_high_act", kw.get("kl_high", 0.08))
+    kw.setdefault("kl_low_act", kw.get("kl_low", 0.02))
+    kw.setdefault("escalation", "none")
     return dataclasses.replace(KLMonitorConfig(enable=True), **kw)
 
 
@@ -96,7 +102,8 @@ def test_a_healthy_stream_fires_nothing():
                              "monitor/entropy_fired": 0.0, "monitor/reward_var_fired": 0.0,
                              "monitor/collapse_fired": 0.0, "monitor/kl_stop_fired": 0.0,
                              "monitor/kl_band_violations": 0.0,
-                             "monitor/kl_over_stop_streak": 0.0, "monitor/rollbacks": 0.0}
+                             "monitor/kl_over_stop_streak": 0.0, "monitor/rollbacks": 0.0,
+                             "monitor/escalations": 0.0}
     assert mon.rollback_safe
 
 
@@ -172,7 +179,7 @@ def test_missing_metrics_skip_their_checks_and_leave_the_streak():
     assert mon.check(3, {ENT: 1.0}) == []  # a step without a KL measurement
     assert mon.metrics() == {"monitor/healthy": 1.0, "monitor/entropy_fired": 0.0,
                              "monitor/kl_band_violations": 2.0, "monitor/kl_over_stop_streak": 2.0,
-                             "monitor/rollbacks": 0.0}
+                             "monitor/rollbacks": 0.0, "monitor/escalations": 0.0}
     assert mon.check(4, {}) == [] and mon.health == "ok"
     run(mon, [{KL: 0.3}, {KL: 0.3}], first_step=5)
     assert mon.kl_over_stop_streak == 4

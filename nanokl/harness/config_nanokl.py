@@ -34,6 +34,14 @@ class KLMonitorConfig:
     enable: bool = False  # run the checks each step and log monitor/* metrics
     kl_low: float = 0.02  # healthy band of the mean per-token KL: below it the policy is barely moving
     kl_high: float = 0.08  # above it the policy drifts from the reference faster than beta holds it
+    # kl_band's adjust/rollback act only beyond these (the article acts at KL > 0.15 and < 0.01); between a
+    # band edge and its act threshold the band only warns. Set them to kl_high / kl_low for a band acting at its edges
+    kl_high_act: float = 0.15
+    kl_low_act: float = 0.01
+    # quiet start: the band's low side and the critic check stay silent on steps 1..warmup_steps (the KL starts
+    # at 0 and the critic untrained, by design); null: the steps an adaptive beta needs to halve or double at
+    # its fastest, ceil(ln 2 / ln(1 + 0.2 N / horizon)) with N responses a step (monitor.warmup_steps)
+    warmup_steps: Optional[int] = None
     kl_var_max: float = 0.05  # KL variance across responses must stay below this (else a few responses carry it)
     entropy_min: float = 0.2  # mean token entropy must stay above this (else the policy is collapsing)
     reward_var_max: float = 2.0  # score variance across responses must stay below this (else suspect reward hacking)
@@ -54,15 +62,31 @@ class KLMonitorConfig:
     # return) is the failure worth a warning (3% of a healthy run's steps after the first 30)
     critic_ev_min: float = 0.0
     critic_action: MonitorAction = "warn"
+    # reward hacking (nanokl/harness/hacking.py)
+    length_drift_min: float = 0.1  # mean response length up more than this (relative, window over window) ...
+    length_drift_action: MonitorAction = "warn"  # ... while the score rises and the truth does not
+    repetition_max: float = 0.5  # degenerate: mean share of repeated 3-grams per response above this ...
+    length_limit_max: float = 0.5  # ... or the share of responses hitting the length limit above this
+    degenerate_action: MonitorAction = "warn"
+    ratio_out_band_max: float = 0.2  # share of tokens whose pi/pi_old leaves [0.8, 1.2] must stay at most this
+    ratio_band_action: MonitorAction = "warn"
     score_window: int = 5  # "the score rises": the mean of the last this-many steps beats the mean of those before
     # the remedies of `adjust` (the KL-tuning article's third column); kl_band has one per side
     kl_high_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
+    # escalation when KL > kl_high_act and kl_high_adjust's knob sits at its limit: "lr" cuts the actor's
+    # learning rate by kl_high_escalate; "reference" (the offline article's remedy for KL > 0.15) also reloads
+    # the reference weights into the actor and drops its Adam moments at each cut; "none" never escalates
+    escalation: Literal["none", "lr", "reference"] = "reference"
+    kl_high_escalate: AdjustRule = _rule("actor_lr", factor=0.5, limit=1e-6, cooldown=5)
     kl_low_adjust: AdjustRule = _rule("target_kl", factor=0.7, limit=0.005, cooldown=20)
     kl_var_adjust: AdjustRule = _rule("kl_type", value="low_var_kl+")
     entropy_adjust: AdjustRule = _rule("entropy_coeff", value=0.01)
     reward_var_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
     collapse_adjust: AdjustRule = _rule("kl_coef", factor=1.2, limit=1.0, cooldown=5)
     critic_adjust: AdjustRule = _rule("critic_lr", factor=2.0, limit=1e-3, cooldown=20)
+    length_drift_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
+    degenerate_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
+    ratio_band_adjust: AdjustRule = _rule("actor_lr", factor=0.5, limit=1e-6, cooldown=10)
     kl_stop_adjust: AdjustRule = _rule("kl_coef", factor=2.0, limit=1.0, cooldown=5)
     # what a rollback does: reload the last healthy checkpoint and raise beta ("healthy"); reload the
     # reference weights into the actor and lower the learning rates ("reference"); or reload the last

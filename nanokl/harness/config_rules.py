@@ -121,6 +121,9 @@ _RULES = [
     (["algorithm.rollout_correction.rollout_is_threshold"], lambda v: v >= 1,
      ">= 1 (so that a token sampled by pi_old itself gets weight exactly 1)"),
     ([_M + "rollback_beta_factor"], lambda v: v >= 1, ">= 1 (beta is multiplied by it after a rollback)"),
+    ([_M + "length_drift_min", _M + "repetition_max", _M + "length_limit_max", _M + "ratio_out_band_max"],
+     lambda v: v > 0, "> 0"),
+    ([_M + "warmup_steps", _M + "ref_check_freq", _M + "kl_low_act"], lambda v: v >= 0, ">= 0"),
     (["data.arith_num_operands"], lambda v: v >= 2, ">= 2"),
     (["data.arith_max_operand"], lambda v: v >= 1, ">= 1"),
     (["data.arith_ops"], lambda v: v != "" and set(v) <= set("+-*"), "made of the characters + - *"),
@@ -279,6 +282,12 @@ def validate(cfg):
     if mon.kl_low >= mon.kl_high:
         raise ConfigError(f"{_M}kl_low ({mon.kl_low}) must be below kl_high ({mon.kl_high}): the healthy KL band "
                           f"needs a width", keys=(_M + "kl_low", _M + "kl_high"))
+    _check_rule(mon.kl_high_escalate, f"{_M}kl_high_escalate")
+    if not (mon.kl_low_act <= mon.kl_low and mon.kl_high_act >= mon.kl_high):
+        # an act threshold inside the band would turn a knob where the band does not even warn
+        raise ConfigError(f"{_M}kl_low_act ({mon.kl_low_act}) must be <= kl_low ({mon.kl_low}) and kl_high_act "
+                          f"({mon.kl_high_act}) >= kl_high ({mon.kl_high}): the remedies act outside the band",
+                          keys=(_M + "kl_low_act", _M + "kl_high_act"))
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path must be set when trainer.resume_mode is resume_path",
                           keys=("trainer.resume_from_path", "trainer.resume_mode"))

@@ -11,6 +11,11 @@ The critic's explained variance, 1 - Var[R - V] / Var[R] over the response token
 critic that predicts the returns exactly, 0 for one that predicts their mean, and negative for a
 worse one (verl's critic/vf_explained_var). Var[R] is floored at 1e-8, so constant returns give a
 finite number. tests/test_metrics.py checks it against numpy at world size 1, padding included.
+
+response_repetition (nanokl's, for the KL monitor's degenerate-text check, nanokl/harness/hacking.py):
+each response's share of repeated 3-grams, 1 − distinct/total over its 3-grams (0 for a response
+of fewer than 3 tokens; "7 7 7 7 7" has three 3-grams, one distinct: 2/3), mean/max/min over the
+step's responses. A reward that pays for repetition drives it toward 1 (tests/test_hacking.py).
 """
 
 import math
@@ -42,6 +47,15 @@ def explained_variance(values, returns, mask):
     """1 - Var[R - V] / Var[R] over all ranks' response tokens (critic/vf_explained_var); the
     n/(n-1) of unbiased variances cancels in the ratio."""
     return 1 - global_var(returns - values, mask) / max(global_var(returns, mask), 1e-8)
+
+
+def repetition(responses, mask, n=3) -> torch.Tensor:
+    """[N] share of each response's n-grams that repeat an earlier one (see the module docstring)."""
+    out = []
+    for row, length in zip(responses.tolist(), mask.sum(-1).long().tolist()):
+        grams = [tuple(row[i:i + n]) for i in range(length - n + 1)]
+        out.append(1 - len(set(grams)) / len(grams) if grams else 0.0)
+    return torch.tensor(out, dtype=torch.float32, device=responses.device)
 
 
 @contextmanager
@@ -79,6 +93,7 @@ def step_metrics(run, step, out, batch, *, update, entropy, t_step, scores=None,
         add_stats(m, "critic/values", batch["values"], rmask)
         m["critic/vf_explained_var"] = explained_variance(batch["values"], batch["returns"], rmask)
     add_stats(m, "response_length", rmask.sum(-1).float())
+    add_stats(m, "response_repetition", repetition(out.responses, rmask))
     m["response_length/clip_ratio"] = dist.global_stats((rmask.sum(-1) == R).float())[0]
     add_stats(m, "prompt_length", out.attention_mask[::n, :out.prompt_length].sum(-1).float())
     tokens = dist.all_reduce(out.attention_mask.sum().float()).item()

@@ -24,6 +24,8 @@ rules of thumb, not measurements) (KL mean
   kl_stop     KL > kl_stop on kl_stop_patience consecutive        (the KL above)
               steps (fires at the patience-th, and every step
               after while the streak lasts)
+  length_drift, degenerate, ratio_band: reward hacking (response length, repetition, the
+              policy ratio), nanokl/harness/hacking.py
 
 The metrics, as the trainer must log them (verl's names where verl has one):
   actor/reward_kl_penalty  mean over the step's responses of each response's per-token mean KL
@@ -43,6 +45,18 @@ exploit) rather than shifting as a whole. Entropy near 0 is mode collapse: one a
 exploration. A reward variance far above the reference's (a normalised reward model gives 1 on
 reference samples, nanokl/supervised/reward_model.py) is the signature of reward hacking. KL above kl_stop
 for several steps in a row is a run the controller has lost.
+
+Warning is not acting. The article warns outside 0.02-0.08 but acts only at KL > 0.15 (kl_coef
++50%) and KL < 0.01 (lower target_kl). So kl_band has two act thresholds, kl_high_act (0.15) and
+kl_low_act (0.01): outside [kl_low, kl_high] the band warns; its adjust or rollback fires only beyond
+the act threshold of that side, and between the edge and it the event is a warning that says so. A
+config that wants a band acting at its edges sets kl_high_act = kl_high and kl_low_act = kl_low.
+
+Quiet start. The KL starts at 0 and the critic untrained, by design, so the band's low side and the
+critic check stay silent on steps 1..warmup (their fired metric reads 0 and no violation is
+counted). warmup_steps(cfg) gives trainer.kl_monitor.warmup_steps, or when null the steps an
+adaptive beta needs to double or halve at its fastest (36 for arith_tiny). The high side and kl_stop
+never wait: a real early drift is still seen.
 
 Each check has an action (`<check>_action`): "warn" (log it), "adjust" (turn a knob, below), "stop"
 (save and end the run cleanly) or "rollback" (reload the last healthy checkpoint, multiply beta by
@@ -64,6 +78,13 @@ The defaults are the article's prescriptions:
   entropy low                entropy_coeff -> 0.01        (the entropy bonus)
   collapse                   kl_coef x 1.2
   (ours) reward variance high  kl_coef x 1.5; critic weak  critic_lr x 2; kl_stop  kl_coef x 2
+Escalation (trainer.kl_monitor.escalation, default "reference"): when the KL is above kl_high_act and
+kl_high_adjust's knob sits at its limit (at it, not merely cooling down), the adjust turns
+kl_high_escalate instead, actor_lr x 0.5 (never below 1e-6, at most every 5 steps, as beta), and under
+"reference" also reloads the reference weights into the actor with its Adam moments dropped (the
+offline article's remedy for KL > 0.15: lr to 1e-6 and reload SFT; remedies.reload_reference). "lr"
+cuts the lr alone: measured, that does not cure a drift, since a policy already far away stays there
+when it moves more slowly (README). "none": the warning of old.
 Rules: a knob moves at most once per `cooldown` steps (the change must show in the next steps'
 metrics before it is judged again) and a factor never takes it past `limit`; when neither lets it
 move, or the knob does not exist in this run (target_kl under a fixed controller), the event is a
@@ -97,7 +118,9 @@ kl_band_action = rollback that side only warns.
 `health` is the one word for the console line: "ok" (nothing fired), else the gravest action
 fired this step, "warn" < "rollback" < "stop". `metrics()` gives floats: monitor/healthy (1 when
 nothing fired), monitor/<check>_fired (0/1 for each check that ran this step), monitor/
-kl_band_violations (steps so far outside the band), monitor/kl_over_stop_streak, monitor/rollbacks.
+kl_band_violations (steps so far outside the band), monitor/kl_over_stop_streak, monitor/rollbacks,
+monitor/escalations, monitor/length_rise (hacking.py), and monitor/action/<check> for each check that
+fired: GRAVITY of its action (1 warn, 2 adjust, 3 rollback, 4 stop).
 `state_dict()` / `load_state_dict()` carry all of it through a checkpoint, so a resumed run fires
 exactly where an uninterrupted one would.
 
@@ -106,7 +129,10 @@ that each check fires at exactly the step it should and not before, every action
 skipping of missing keys, NaN, and resume from a state_dict mid-stream.
 """
 
+import math
 from typing import NamedTuple
+
+from nanokl.harness import hacking
 
 KL_KEYS = ("actor/reward_kl_penalty", "actor/kl_loss")  # the first present is the step's KL
 KL_VAR_KEY = "actor/reward_kl_var"
@@ -115,7 +141,8 @@ REWARD_VAR_KEY = "critic/score/var"
 EV_KEY = "critic/vf_explained_var"
 SCORE_KEY = "critic/score/mean"
 
-CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "collapse", "critic", "kl_stop")  # the order events come in
+CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "collapse", "critic", *hacking.CHECKS,
+          "kl_stop")  # the order events come in
 GRAVITY = {"warn": 1, "adjust": 2, "rollback": 3, "stop": 4}  # health word = the gravest action fired
 KNOBS = ("kl_coef", "target_kl", "kl_type", "entropy_coeff", "actor_lr", "critic_lr")  # what `adjust` may turn
 
@@ -125,6 +152,22 @@ class Event(NamedTuple):
     action: str  # "warn" | "adjust" | "stop" | "rollback" (a rollback past max_rollbacks arrives as "stop")
     message: str  # one line for the log
     change: tuple | None = None  # adjust: (knob, old value, new value)
+    reload: bool = False  # an escalation with escalation=reference: reload the reference weights into the actor
+
+
+def warmup_steps(cfg) -> int:
+    """The quiet start of a full config (trainer.kl_monitor.warmup_steps, or when null): the steps an
+    adaptive beta needs to double or halve at its fastest, each step moving it by at most
+    1 + 0.2 N / horizon (nanokl/kl_ctrl.py), N the responses of a step: ceil(ln 2 / ln(1 + 0.2 N / horizon)),
+    36 for arith_tiny (N = 64, horizon 640). Before that the controller has not had the time to act, so a
+    KL below the band is its starting point, not its failure. A fixed controller never acts; it gets the
+    same number from its (unused) horizon: the KL climbs from 0 at the pace the learning rate sets, which
+    no key measures, and the KL-above side and kl_stop never wait, so a real early drift is still seen."""
+    km = cfg.trainer.kl_monitor
+    if km.warmup_steps is not None:
+        return km.warmup_steps
+    n = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    return math.ceil(math.log(2) / math.log1p(0.2 * n / cfg.algorithm.kl_ctrl.horizon))
 
 
 def _read(metrics, key):
@@ -134,8 +177,10 @@ def _read(metrics, key):
 
 
 class KLMonitor:
-    def __init__(self, cfg):
+    def __init__(self, cfg, warmup: int | None = None):
         self.cfg = cfg  # a config.KLMonitorConfig
+        # quiet start: the trainer passes warmup_steps(its config); alone, cfg.warmup_steps (null: none)
+        self.warmup = warmup if warmup is not None else cfg.warmup_steps or 0
         self.kl_over_stop_streak = 0  # consecutive measured steps with KL > kl_stop
         self.kl_band_violations = 0  # steps so far with KL outside [kl_low, kl_high]
         self.rollbacks = 0  # rollbacks done (rolled_back calls)
@@ -146,6 +191,10 @@ class KLMonitor:
         self.changes = {}  # this step: knob -> new value
         self.scores = []  # the last 2 * score_window step scores ("is the score rising?")
         self.stop_armed = False  # the fixed_kl rollback recipe: kl_stop stops from now on
+        self.actions = {}  # this step: check -> the action it took (monitor/action/<check>)
+        self.escalations = 0  # kl_high escalations done (actor_lr cuts, with a reload under "reference")
+        self.lengths, self.truths, self.vals = [], [], []  # hacking.py's windows: lengths, rule scores, val acc
+        self.rise = None  # this step's relative length rise (monitor/length_rise), None until 2 windows
 
     def rising(self) -> bool:
         """The mean score of the last score_window steps is above that of the score_window before."""
@@ -173,6 +222,12 @@ class KLMonitor:
         knobs[knob] = new  # a second rule on the same knob this step starts from here
         return (knob, cur, new), f" -> {knob} {cur:g} -> {new:g}" if isinstance(new, float) else f" -> {knob} {cur} -> {new}"
 
+    @staticmethod
+    def _at_limit(rule, knobs) -> bool:
+        """A factor rule whose knob is at (or past) its limit: it cannot move, cooldown or not."""
+        cur = knobs.get(rule.knob)
+        return None not in (cur, rule.factor, rule.limit) and (cur - rule.limit) * (rule.factor - 1) >= 0
+
     def check(self, step: int, metrics: dict, knobs: dict | None = None) -> list[Event]:
         """Run every check whose metric is present; return the events that fired, in CHECKS order.
         `knobs`: the current value of each knob an adjust may turn (absent: none applies)."""
@@ -185,8 +240,9 @@ class KLMonitor:
         kl_key = next((k for k in KL_KEYS if k in metrics), None)
         kl = _read(metrics, kl_key) if kl_key else None
         side = None
+        quiet = step <= self.warmup  # the quiet start: the low side and the critic wait
         if kl is not None:
-            if not c.kl_low <= kl <= c.kl_high:
+            if not c.kl_low <= kl <= c.kl_high and not (quiet and kl < c.kl_low):
                 self.kl_band_violations += 1
                 side = "kl_low" if kl < c.kl_low else "kl_high"
                 failed["kl_band"] = f"KL {kl:.4g} outside the healthy band [{c.kl_low}, {c.kl_high}] ({kl_key})"
@@ -210,8 +266,9 @@ class KLMonitor:
         ev = _read(metrics, EV_KEY)
         if ev is not None:
             self.fired["critic"] = 0.0
-            if not ev >= c.critic_ev_min:
+            if not ev >= c.critic_ev_min and not quiet:
                 failed["critic"] = f"critic explained variance {ev:.4g} < {c.critic_ev_min} ({EV_KEY})"
+        failed.update(hacking.check(self, step, metrics))
         if kl is not None:
             self.kl_over_stop_streak = 0 if kl <= c.kl_stop else self.kl_over_stop_streak + 1  # NaN counts
             self.fired["kl_stop"] = 0.0
@@ -219,12 +276,17 @@ class KLMonitor:
                 failed["kl_stop"] = (f"KL {kl:.4g} > {c.kl_stop} for {self.kl_over_stop_streak} consecutive steps "
                                      f"(patience {c.kl_stop_patience})")
 
-        events = []
+        events, self.actions = [], {}
+        # kl_band acts (adjust, rollback) only beyond its act thresholds; NaN acts
+        beyond = side == "kl_high" and not kl <= c.kl_high_act or side == "kl_low" and kl < c.kl_low_act
         for name in CHECKS:
             if name not in failed:
                 continue
             self.fired[name] = 1.0
-            action, note, change = getattr(c, f"{name}_action"), "", None
+            action, note, change, reload = getattr(c, f"{name}_action"), "", None, False
+            if name == "kl_band" and action in ("adjust", "rollback") and not beyond:
+                act = c.kl_high_act if side == "kl_high" else c.kl_low_act
+                action, note = "warn", f"; {action} acts only {'above' if side == 'kl_high' else 'below'} {act}"
             if name == "kl_stop" and self.stop_armed:
                 action, note = "stop", "; armed by the fixed_kl rollback"
             if name == "kl_band" and action == "rollback" and kl < c.kl_low:
@@ -238,12 +300,19 @@ class KLMonitor:
                     note = "; the score is not rising: nothing to adjust"
                 else:
                     change, note = self._plan(rule, knobs, step)
+                    if change is None and side == "kl_high" and name == "kl_band" and c.escalation != "none" \
+                            and self._at_limit(rule, knobs):  # beta can do no more: the step size is the cause
+                        change, more = self._plan(c.kl_high_escalate, knobs, step)
+                        reload = change is not None and c.escalation == "reference"
+                        note += more + ("; reloaded the reference weights" if reload else "")
+                        self.escalations += change is not None
                 if change is None:
                     action = "warn"
                 else:
                     self.changes[change[0]] = change[2]
+            self.actions[name] = action
             events.append(Event(name, action, f"kl_monitor step {step}: {action}: {name}: {failed[name]}{note}",
-                                change))
+                                change, reload))
         self.health = max((e.action for e in events), key=GRAVITY.get, default="ok")
         return events
 
@@ -261,6 +330,9 @@ class KLMonitor:
                 "monitor/kl_band_violations": float(self.kl_band_violations),
                 "monitor/kl_over_stop_streak": float(self.kl_over_stop_streak),
                 "monitor/rollbacks": float(self.rollbacks),
+                "monitor/escalations": float(self.escalations),
+                **({} if self.rise is None else {"monitor/length_rise": self.rise}),
+                **{f"monitor/action/{name}": float(GRAVITY[a]) for name, a in self.actions.items()},
                 **{f"monitor/adjust/{k}": v if isinstance(v, float) else 1.0 for k, v in self.changes.items()}}
 
     def rolled_back(self):
@@ -272,7 +344,9 @@ class KLMonitor:
         return {"kl_over_stop_streak": self.kl_over_stop_streak, "kl_band_violations": self.kl_band_violations,
                 "rollbacks": self.rollbacks, "health": self.health,
                 "fired": dict(self.fired), "last_adjusted": dict(self.last_adjusted), "adjusted": dict(self.adjusted),
-                "changes": dict(self.changes), "scores": list(self.scores), "stop_armed": self.stop_armed}
+                "changes": dict(self.changes), "scores": list(self.scores), "stop_armed": self.stop_armed,
+                "actions": dict(self.actions), "escalations": self.escalations, "lengths": list(self.lengths),
+                "truths": list(self.truths), "vals": list(self.vals), "rise": self.rise}
 
     def load_state_dict(self, state: dict):
         self.kl_over_stop_streak = int(state["kl_over_stop_streak"])
@@ -284,3 +358,8 @@ class KLMonitor:
         self.adjusted, self.changes = dict(state.get("adjusted", {})), dict(state.get("changes", {}))
         self.scores = [float(v) for v in state.get("scores", [])]
         self.stop_armed = bool(state.get("stop_armed", False))
+        # (checkpoints from before the hacking checks and escalation had none of these)
+        self.actions, self.escalations = dict(state.get("actions", {})), int(state.get("escalations", 0))
+        self.lengths, self.truths, self.vals = ([float(v) for v in state.get(k, [])]
+                                                for k in ("lengths", "truths", "vals"))
+        self.rise = state.get("rise")

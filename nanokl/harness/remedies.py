@@ -27,6 +27,10 @@ Rollback recipes (trainer.kl_monitor.rollback_recipe), what a "rollback" action 
   fixed_kl   the tuning article's fallback: reload the last healthy checkpoint, freeze beta at its
              current value with a fixed controller, and arm kl_stop to stop the run (whatever
              kl_stop_action says) the next time the KL runs away.
+Escalation (monitor.py, trainer.kl_monitor.escalation): when beta is at its limit and the KL is still
+above kl_high_act, the adjust cuts actor_lr (kl_high_escalate) and, under "reference", reloads the
+reference weights as the reference recipe does (`reload_reference`): an lr cut alone leaves a policy
+that has already drifted far where it is, only moving more slowly.
 The articles also suggest falling back to GRPO (dropping the critic); nanokl does not: swapping the
 advantage estimator mid-run changes what every later step computes, and a run that needs it is
 better restarted with algorithm.adv_estimator=grpo.
@@ -88,11 +92,23 @@ def set_knob(run, knob, old, new):
         raise ValueError(f"unknown knob {knob!r}")
 
 
+def reload_reference(run):
+    """The reference (SFT) weights back into the actor, and the actor's Adam moments dropped: they
+    belong to the weights that drifted. Rank 0 reads, every rank loads; the rollout copy follows."""
+    dist.load_full_state_dict(run.actor, dist.full_state_dict(run.ref))
+    run.actor_opt.state.clear()
+    if run.rollout_copy:
+        dist.sync_rollout_weights(run.rollout_model, run.actor)
+
+
 def apply(run, events):
-    """Turn the knobs of this step's adjust events (every rank alike: the events are the same)."""
+    """Turn the knobs of this step's adjust events (every rank alike: the events are the same); an
+    escalation under escalation=reference also starts the actor over from the reference."""
     for e in events:
         if e.change is not None:
             set_knob(run, *e.change)
+        if e.reload:
+            reload_reference(run)
 
 
 def restore(run):
@@ -109,13 +125,10 @@ def rollback(run, restore_checkpoint):
     `restore_checkpoint(run, path, weights=True)` reloads a checkpoint (nanokl/harness/run.py)."""
     km, alg, a = run.cfg.trainer.kl_monitor, run.cfg.algorithm, _actor_cfg(run)
     if km.rollback_recipe == "reference":
-        dist.load_full_state_dict(run.actor, dist.full_state_dict(run.ref))  # rank 0 reads, every rank loads
-        run.actor_opt.state.clear()  # Adam's moments of the weights that drifted: meaningless now
+        reload_reference(run)
         set_lr(run.actor_opt, run.actor_sched, km.rollback_actor_lr)
         if km.rollback_critic_lr is not None and run.critic is not None:
             set_lr(run.critic_opt, run.critic_sched, km.rollback_critic_lr)
-        if run.rollout_copy:
-            dist.sync_rollout_weights(run.rollout_model, run.actor)
         run.monitor.rolled_back()
         return "the reference weights"
     path = run.run_dir / "checkpoints" / f"global_step_{run.healthy_step}"

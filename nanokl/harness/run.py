@@ -61,7 +61,7 @@ from nanokl.harness.faults import Preemption, catch_preemption, inject
 from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
 from nanokl.harness.metrics import timer
-from nanokl.harness.monitor import CHECKS, KLMonitor
+from nanokl.harness.monitor import CHECKS, KLMonitor, warmup_steps
 from nanokl.harness.optim import make_optimizer
 from nanokl.harness.reward_fn import check_sources
 from nanokl.harness.scoring import validate
@@ -280,7 +280,7 @@ def setup(cfg) -> Run:
               critic_sched=critic_sched, kl_ctrl=make_kl_controller(alg.kl_ctrl),
               kl_loss_ctrl=make_kl_loss_controller(a),
               rm=load_rm(cfg, device) if cfg.reward_model.enable else None,
-              monitor=KLMonitor(km) if km.enable else None, tracker=None, specs=batching_specs(cfg),
+              monitor=KLMonitor(km, warmup_steps(cfg)) if km.enable else None, tracker=None, specs=batching_specs(cfg),
               total_steps=total_steps, bypass=bypass,
               **variants.choose(cfg, critic=critic is not None, bypass=bypass))
     ref_check.check_setup(run)  # a reference sharing the actor's memory, or trainable: stop before any step
