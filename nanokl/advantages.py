@@ -137,6 +137,8 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
     stats = masked_moments(advantages, response_mask)
     if whiten_stats is not None:
         stats = whiten_stats(stats)
+    if stats[2] < 2:  # rejection (rollout_rs) left < 2 tokens in the whole batch: nothing to whiten, no signal
+        return torch.zeros_like(advantages), returns
     advantages = masked_whiten(advantages, response_mask, stats=stats)
     return advantages, returns
 
@@ -152,6 +154,8 @@ def whiten_real_tokens(x, response_mask, whiten_stats=None):
     stats = masked_moments(x, response_mask)
     if whiten_stats is not None:
         stats = whiten_stats(stats)
+    if stats[2] < 2:  # as in GAE: fewer than 2 real tokens left in the batch, no signal
+        return torch.zeros_like(x)
     return zero_masked(masked_whiten(x, response_mask, stats=stats), response_mask)
 
 

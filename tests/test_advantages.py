@@ -413,3 +413,21 @@ def test_estimator_table_lists_verl_names():
     assert [n for n, e in ESTIMATORS.items() if e.needs_greedy_baseline] == ["remax"]
     assert [n for n, e in ESTIMATORS.items() if e.grouped] == ["grpo", "rloo", "reinforce_plus_plus_baseline",
                                                               "grpo_passk"]
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus"])
+def test_a_batch_rejection_emptied_has_zero_advantages(name):
+    """rollout_rs may reject every token of a step (tests/test_train_offline.py runs one): the estimators that
+    whiten over the batch's real tokens have none to whiten over, and give advantages of exactly 0 (no
+    signal) instead of raising; one kept token is no better (its variance is undefined)."""
+    from types import SimpleNamespace
+
+    from nanokl.advantages import ESTIMATORS
+    rewards = torch.tensor([[0.0, 1.0, 0.5], [0.2, 0.0, 1.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    cfg = SimpleNamespace(gamma=1.0, lam=0.95, norm_adv_by_std_in_grpo=True)
+    for kept in (torch.zeros(2, 3), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])):
+        adv, ret = ESTIMATORS[name].fn(rewards, kept, values, torch.arange(2), cfg, None)
+        assert torch.equal(adv, torch.zeros_like(adv)) and torch.isfinite(ret).all()
+    adv, _ = ESTIMATORS[name].fn(rewards, torch.ones(2, 3), values, torch.arange(2), cfg, None)
+    assert adv.abs().sum() > 0  # with tokens to whiten over, the same call gives a signal: the test can fail

@@ -306,6 +306,17 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class KLProbeConfig:
+    """nanokl-only: the on-policy KL probe (nanokl/kl_probe.py). Every `every` steps the policy samples
+    `prompts` of the step's training prompts; the reward's KL controller and the KL monitor then read the
+    step's KL estimate plus the smoothed gap probe - estimate (meant for offline runs: data.offline_files)."""
+    enable: bool = False
+    every: int = 1  # probe every this many steps (the gap is held in between)
+    prompts: int = 16  # prompts sampled per probe, one response each (at most data.train_batch_size)
+    ema: float = 0.3  # alpha: the weight of the newest gap in its moving average, in (0, 1]
+
+
+@dataclass
 class AlgorithmConfig(VerlAlgorithmKeys):
     gamma: float = 1.0  # discount per token
     lam: float = 1.0  # GAE lambda: 0 one-step TD, 1 Monte-Carlo
@@ -318,6 +329,7 @@ class AlgorithmConfig(VerlAlgorithmKeys):
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO's dynamic sampling
+    kl_probe: KLProbeConfig = field(default_factory=KLProbeConfig)  # nanokl-only: the on-policy KL probe
 
 
 @dataclass

@@ -183,7 +183,7 @@ FILTER_METRICS = ("acc", "score", "seq_reward")  # algorithm.filter_groups.metri
 
 
 def _check_dapo_and_correction(cfg):
-    """GSPO's aggregation, the overlong buffer, dynamic sampling and rejection sampling."""
+    """GSPO's aggregation, the overlong buffer, dynamic sampling, rejection sampling and the KL probe."""
     alg, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
         raise ConfigError(f"{_A}policy_loss.loss_mode=gspo aggregates seq-mean-token-mean (as verl does); set "
@@ -216,6 +216,15 @@ def _check_dapo_and_correction(cfg):
         if actor.loss_mode != "ppo":
             raise ConfigError(f"{RC}rollout_rs removes tokens from the PPO loss; {_A}loss_mode={actor.loss_mode} "
                               f"compares whole responses", keys=(RC + "rollout_rs", _A + "loss_mode"))
+    kp, KP = alg.kl_probe, "algorithm.kl_probe."  # nanokl/kl_probe.py
+    if kp.enable and not (kp.every >= 1 and 1 <= kp.prompts <= cfg.data.train_batch_size and 0 < kp.ema <= 1):
+        raise ConfigError(f"{KP}every must be >= 1, {KP}prompts in [1, data.train_batch_size = "
+                          f"{cfg.data.train_batch_size}] (the step's prompts) and {KP}ema in (0, 1]; got every="
+                          f"{kp.every!r}, prompts={kp.prompts!r}, ema={kp.ema!r}",
+                          keys=(KP + "every", KP + "prompts", KP + "ema"))
+    if kp.enable and not alg.use_kl_in_reward:
+        raise ConfigError(f"{KP}enable corrects the KL the reward's controller reads; there is none without "
+                          f"algorithm.use_kl_in_reward", keys=(KP + "enable", "algorithm.use_kl_in_reward"))
 
 
 def validate(cfg):

@@ -332,9 +332,12 @@ def _max_samples(rows, n, shuffle=False, seed=0):
 
 def steer_kl_loss(run, metrics) -> None:
     """An adaptive KL-loss coefficient (actor.kl_loss_ctrl) moves toward its target from this step's
-    KL loss, actor/kl_loss, over the step's responses (kl_ctrl.py); a step without it (critic
-    warm-up, a skipped non-finite update) leaves it where it is."""
+    KL loss, actor/kl_loss, over the step's responses (kl_ctrl.py); with the on-policy probe
+    (algorithm.kl_probe, nanokl/kl_probe.py) from the corrected KL instead, as the reward's
+    controller does. A step without a KL loss (critic warm-up, a skipped non-finite update) leaves
+    it where it is."""
     kl = float(metrics.get("actor/kl_loss", math.nan))
+    kl = float(metrics.get("kl_probe/kl_corrected", kl)) if math.isfinite(kl) else kl
     if run.kl_loss_ctrl.kind == "adaptive" and math.isfinite(kl):
         run.kl_loss_ctrl.update(kl, n_steps=run.cfg.data.train_batch_size * run.cfg.actor_rollout_ref.rollout.n)
         metrics["actor/kl_loss_target"] = run.kl_loss_ctrl.target

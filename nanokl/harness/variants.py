@@ -16,7 +16,10 @@ is a few lines of plumbing (the run's models, config and timers) around a lesson
                     optionally followed by rejection (rollout_rs: tokens
                     leave response_mask)
     kl_reward       kl_in_reward (an estimator) | exact_kl_in_reward         rewards.py
-                    (`full`) | scores_only (KL in the loss, or nowhere)
+                    (`full`) | scores_only (KL in the loss, or nowhere);
+                    the KL the controller reads: logged_kl (the step's) | kl_probe.py
+                    probed_kl (plus the smoothed gap to an on-policy
+                    probe: algorithm.kl_probe)
     baselines       no_baselines | greedy_baselines (remax: the score of    advantages.py
                     each prompt's greedy response)
     update_critic   critic_update | no_critic_update                        workers.py
@@ -28,6 +31,7 @@ critic timings).
 
 import functools
 import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +45,7 @@ from nanokl.harness.metrics import global_var, timer
 from nanokl.harness.run_state import TrainingStopped
 from nanokl.harness.scoring import score_batch
 from nanokl.kl import kl_penalty
+from nanokl.kl_probe import ProbeState, corrected_kl, probe_stats, probe_sums
 from nanokl.masked import masked_mean
 from nanokl.offline import (IS_LEVELS, behaviour_log_probs, is_metrics_from_sums, is_sums, rejection_mask,
                             rs_metrics_from_sums, rs_sums, weighted_kl)
@@ -201,16 +206,17 @@ def rejection(run, batch, rollout_log_probs, weigh=no_correction):
 
 # 4. kl_reward: r_t = score_t - beta * KL_t; the controller reads the step's KL and moves beta
 
-def kl_in_reward(run, batch, scores):
-    """A sampled-token estimator (algorithm.kl_penalty) in the reward (nanokl/rewards.py)."""
+def kl_in_reward(run, batch, scores, read=None):
+    """A sampled-token estimator (algorithm.kl_penalty) in the reward (nanokl/rewards.py); `read`:
+    the KL the controller reads (logged_kl when None)."""
     beta = run.kl_ctrl.value
     rewards, kl, current = apply_kl_penalty(scores, batch["old_log_probs"], batch["ref_log_probs"],
                                             batch["response_mask"], beta, run.cfg.algorithm.kl_penalty,
                                             reduce=dist.all_reduce)
-    return rewards, steer(run, batch, kl, current, beta, batch["is_weights"], {})
+    return rewards, steer(run, batch, kl, current, beta, batch["is_weights"], {}, read or logged_kl)
 
 
-def exact_kl_in_reward(run, batch, scores):
+def exact_kl_in_reward(run, batch, scores, read=None):
     """The exact KL over the vocabulary (kl_penalty `full`) from both models' logits, with the k1 and
     k3 estimates on the same tokens logged beside it."""
     beta, mask = run.kl_ctrl.value, batch["response_mask"]
@@ -221,20 +227,56 @@ def exact_kl_in_reward(run, batch, scores):
         batch["old_log_probs"], batch["ref_log_probs"], k), mask, dim=-1))[0] for k in ("k1", "k3")}
     # no token was sampled for the exact KL: weights of 1 on real tokens (nanokl/offline.py)
     ones = None if batch["is_weights"] is None else torch.where(mask.bool(), 1.0, 0.0)
-    return rewards, steer(run, batch, kl, current, beta, ones, metrics)
+    return rewards, steer(run, batch, kl, current, beta, ones, metrics, read or logged_kl)
 
 
-def steer(run, batch, kl, current, beta, weights, metrics):
-    """Move beta with the step's KL. On responses μ sampled (weights given) the controller reads the
-    self-normalised importance-weighted estimate of the KL under π (nanokl/offline.py), and the
-    plain mean stays as a metric."""
+def steer(run, batch, kl, current, beta, weights, metrics, read):
+    """Move beta with the KL `read` gives (logged_kl or probed_kl); actor/reward_kl_penalty is always
+    the number the controller read, so the KL monitor reads it too."""
     mask = batch["response_mask"]
-    if weights is not None:
-        metrics["rollout_corr/kl_unweighted"] = current
-        current = weighted_kl(kl, weights, mask, reduce=dist.all_reduce).item()
+    current = read(run, batch, kl, current, weights, metrics)
     run.kl_ctrl.update(current, n_steps=len(mask) * run.world)
     return {**metrics, "actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta,
             "actor/reward_kl_var": global_var(masked_mean(kl, mask, dim=-1))}  # for the KL monitor
+
+
+def logged_kl(run, batch, kl, current, weights, metrics):
+    """The step's own KL: the plain mean over its responses, or, on responses μ sampled (weights
+    given), the self-normalised importance-weighted estimate of the KL under π (nanokl/offline.py),
+    with the plain mean kept as a metric."""
+    if weights is None:
+        return current
+    metrics["rollout_corr/kl_unweighted"] = current
+    return weighted_kl(kl, weights, batch["response_mask"], reduce=dist.all_reduce).item()
+
+
+def probed_kl(run, batch, kl, current, weights, metrics, state):
+    """logged_kl plus the smoothed gap to an on-policy probe (algorithm.kl_probe; nanokl/kl_probe.py):
+    every `every` steps the policy samples `prompts` of the step's prompts (one response each), before
+    the controller moves. Logs the step's estimate (rollout_corr/kl_logged), the probe (kl_probe/kl, its
+    standard error), the gap, what the controller reads (kl_probe/kl_corrected) and the responses and
+    tokens the probe generated so far (kl_probe/responses, kl_probe/tokens)."""
+    cfg, kp = run.cfg, run.cfg.algorithm.kl_probe
+    logged, step, probe = logged_kl(run, batch, kl, current, weights, metrics), run.start + state.steps, None
+    state.steps += 1
+    if step % kp.every == 0:
+        d, ro = cfg.data, cfg.actor_rollout_ref.rollout
+        rows = rank_rows(len(run.train), d.train_batch_size, step, d.seed, d.shuffle, run.rank, run.world)
+        rows = rows[:math.ceil(kp.prompts / run.world)]
+        with timer(metrics, "kl_probe", run.device):
+            ids, mask = build_prompts([run.train[i] for i in rows], run.tok, d.prompt_template, d.max_prompt_length,
+                                      d.truncation, device=run.device)
+            gen = torch.Generator(run.device).manual_seed(cfg.trainer.seed * 1_000_003 + step * 8191 + run.rank + 104729)
+            sums = dist.all_reduce(probe_sums(run.actor, run.ref, dist.unwrap(run.rollout_model), ids, mask, ro,
+                                              cfg.algorithm.kl_penalty, run.tok.eos_token_ids, run.tok.pad_token_id,
+                                              gen, spec=run.specs["old"]).to(run.device)).cpu()
+        probe, se = probe_stats(sums)
+        state.responses, state.tokens = state.responses + int(sums[2]), state.tokens + int(sums[3])
+        metrics.update({"kl_probe/kl": probe, "kl_probe/kl_se": se})
+    read = corrected_kl(state, logged, probe, kp.ema)
+    metrics.update({"rollout_corr/kl_logged": logged, "kl_probe/gap": state.gap, "kl_probe/kl_corrected": read,
+                    "kl_probe/responses": state.responses, "kl_probe/tokens": state.tokens})
+    return read
 
 
 def scores_only(run, batch, scores):
@@ -291,6 +333,8 @@ def choose(cfg, *, critic: bool, bypass: bool) -> dict:
     kl = scores_only
     if alg.use_kl_in_reward:
         kl = exact_kl_in_reward if alg.kl_penalty == "full" else kl_in_reward
+        if alg.kl_probe.enable:  # its state (the smoothed gap, the cost so far) lives with the part
+            kl = functools.partial(kl, read=functools.partial(probed_kl, state=ProbeState()))
     rc = alg.rollout_correction
     correct = {None: no_correction, "token": token_is, "sequence": sequence_is}[rc.rollout_is]
     if rc.rollout_rs:
