@@ -12,7 +12,6 @@
 """
 
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +22,7 @@ import train_ppo
 from nanokl.harness import ref_check
 from nanokl.harness import run as run_mod
 from nanokl.harness.tracking import read_metrics
+from test_faults import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data.max_response_length=32",
@@ -32,18 +32,10 @@ TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data
 
 
 def cli(sft_dir, run_dir, capfd, steps=3):
-    """(exit status, stderr) of train_ppo's command line in this process."""
-    argv = ["train_ppo.py", "--config", str(ROOT / "configs" / "arith_tiny.yaml"), *TINY,
-            f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={run_dir}",
-            f"trainer.total_training_steps={steps}"]
-    capfd.readouterr()
-    old, sys.argv = sys.argv, argv
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            train_ppo.cli()
-    finally:
-        sys.argv = old
-    return exit_info.value.code, capfd.readouterr().err
+    """(exit status, stderr) of train_ppo's command line in this process (test_faults.run_cli)."""
+    return run_cli(["--config", str(ROOT / "configs" / "arith_tiny.yaml"), *TINY,
+                    f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={run_dir}",
+                    f"trainer.total_training_steps={steps}"], capfd)
 
 
 def tie_after_setup(monkeypatch):
