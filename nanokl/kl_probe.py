@@ -100,8 +100,9 @@ def probe_sums(policy, ref, sampler, prompt_ids, prompt_mask, ro, kind, eos_toke
 
 
 def probe_stats(sums) -> tuple[float, float]:
-    """(p, its standard error over responses) from (all-reduced) probe_sums."""
-    s1, s2, n, _ = sums.tolist()
+    """(p, its standard error over responses) from (all-reduced) probe_sums, or from any
+    [Σ p_i, Σ p_i², n, ...] (harness/scoring.py's on-policy KL at validation reads it too)."""
+    s1, s2, n = sums.tolist()[:3]
     if n == 0:
         return math.nan, math.nan
     var = max(s2 / n - (s1 / n) ** 2, 0.0)

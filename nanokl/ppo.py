@@ -21,7 +21,8 @@ verl's `compute_policy_loss_vanilla`: pg_clipfrac (clipping active), pg_clipfrac
 clip active) and ppo_kl = mean of −log ρ, an estimate of KL(π_old‖π_θ): how far the epochs have
 walked from the sampler; and, for every loss (nanokl's, for the KL monitor), ratio_out_band = the
 share of tokens whose ρ leaves [0.8, 1.2], the offline-RLHF article's band. With `is_weights`
-(responses another policy μ sampled, nanokl/offline.py) each token's loss is multiplied by w = min(π_old/μ, C) first; μ = π_old gives w = 1, the loss above.
+(responses another policy μ sampled, nanokl/offline.py) each token's loss is multiplied by
+w = min(π_old/μ, C) first; μ = π_old gives w = 1, the loss above.
 
 Two more policy losses, one signature (`POLICY_LOSSES`, verl's `actor.policy_loss.loss_mode`)
 ---------------------------------------------------------------------------------------------

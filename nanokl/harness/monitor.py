@@ -213,7 +213,7 @@ class KLMonitor:
             new = cur * rule.factor
             if rule.limit is not None:
                 new = min(new, rule.limit) if rule.factor > 1 else max(new, rule.limit)
-                new = cur if (cur - rule.limit) * (rule.factor - 1) >= 0 else new  # already past it: leave it
+                new = cur if self._at_limit(rule, knobs) else new  # already past it: leave it
         else:
             new = rule.value
         if new == cur:

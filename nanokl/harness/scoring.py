@@ -35,10 +35,13 @@ tests/test_scoring.py checks that reward_model.max_length keeps each row's last 
 tests/test_reward_fn.py, each score against a hand loop over the score function, on its last token.
 """
 
+import math
+
 import torch
 
 from nanokl import dist
 from nanokl.kl import kl_penalty
+from nanokl.kl_probe import probe_stats
 from nanokl.masked import masked_mean
 from nanokl.rewards import overlong_penalty, token_level_scores
 from nanokl.workers import compute_log_probs
@@ -153,8 +156,5 @@ def on_policy_kl(model, ref, tok, val, cfg, device) -> dict:
         ref_logp, _ = compute_log_probs(ref, batch, ro.temperature)
         per_response = masked_mean(kl_penalty(out.log_probs, ref_logp, kind), out.response_mask, dim=-1).double().cpu()
         moments += torch.stack([per_response.sum(), (per_response ** 2).sum(), torch.tensor(float(len(per_response)))])
-    s1, s2, n = dist.all_reduce(moments).tolist()
-    if n == 0:
-        return {}
-    var = max(s2 / n - (s1 / n) ** 2, 0.0)
-    return {"val-aux/kl_on_policy": s1 / n, "val-aux/kl_on_policy_se": (var / max(n - 1, 1)) ** 0.5}
+    kl, se = probe_stats(dist.all_reduce(moments))
+    return {} if math.isnan(kl) else {"val-aux/kl_on_policy": kl, "val-aux/kl_on_policy_se": se}
