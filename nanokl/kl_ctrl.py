@@ -49,7 +49,7 @@ mean(c) = g/K for u rising g per step: β tripling over 150 steps at K = 0.1 is 
 Clipping adds a second, smaller bias in the same direction: the fixed point of (1) is E[c] = 0,
 a location between the median and the mean of KL/target, and the batch KL is right-skewed
 (e ≥ −1 but unbounded above; spikes count only +0.2), so its mean sits above that location.
-(The default run settles +13% above its target, median of 3 seeds; bench/RESULTS.md.)
+(At horizon 640 the default run settled +13% above its target, median of 3 seeds; bench/RESULTS.md.)
 
 The integral term (`type: pi`, beyond verl)
 -------------------------------------------
@@ -82,7 +82,26 @@ What it did on the default run (bench/RESULTS.md, seed 42): not better. Between 
 holding the KL took a β 27 times larger, a ramp of 3% a step (Ziegler's clip allows 2%), and the
 integral held it (+5%); when the drift stopped, the β the integral had built up outlived it and
 the second half averaged −31%, with lower accuracy. A ramp that ends is the case where a second
-integrator overshoots; the default stays `adaptive`, and `pi` is there to measure and to build on.
+integrator overshoots; `pi` is there to measure and to build on, and the default is Ziegler's rule,
+faster and held at start-up (below).
+
+Holding β at start-up (`hold`, beyond verl)
+-------------------------------------------
+A run starts with π = π_ref, so for its first tens of steps the KL is near 0 whatever β is: the KL
+climbs as fast as the policy learns, not as β allows. Ziegler's rule reads that as e = −1 and lowers
+β at its fastest the whole time, a wind-up (Åström & Murray §10.4): the plant cannot respond and
+the integrator (log β) runs on. At horizon 320 the default run's β fell from 0.05 to 0.006 by step
+~55, where the KL first reached its target, and then had to climb 40-fold. `hold: N` is conditional
+integration: β does not move while the KL is below its target, until the KL first reaches it (or N
+updates have been held, so a run whose KL never comes still gets the rule); from then on the rule
+is Ziegler's (or pi's), bit for bit, and it never holds again. hold = 0 is verl's behaviour.
+
+Holding β alone does not move the second-half KL (horizon 640: +12% with the hold, seed 42, against
++13% without): the climb β makes there is the policy's own drift, the ramp of (1). The standing
+error is g/K, so what cures it is a larger K, and what the hold buys is a faster loop without the
+start-up's wind-up. The default run (horizon 320, hold 100: β may move 4% a step) holds its
+second-half KL at +1.1% to +1.4% of target over 3 seeds, where horizon 640 without the hold read +13%
+to +16% (bench/RESULTS.md, "The KL on target").
 
 Two coefficients, one kind of object
 ------------------------------------
@@ -174,7 +193,7 @@ class AdaptiveKLController:
     kind = "adaptive"
 
     def __init__(self, init_kl_coef: float, target_kl, horizon: float, interp: str = "step",
-                 ki: float = 0.0, integral_limit: float = 1.0):
+                 ki: float = 0.0, integral_limit: float = 1.0, hold: int = 0):
         if init_kl_coef <= 0:
             # A multiplicative update can never move β away from zero.
             raise ValueError(f"adaptive init_kl_coef must be > 0, got {init_kl_coef}")
@@ -186,6 +205,9 @@ class AdaptiveKLController:
         if ki < 0 or integral_limit <= 0:
             raise ValueError(f"pi needs ki >= 0 and integral_limit > 0, got ki={ki}, integral_limit={integral_limit}")
         self.ki, self.integral_limit, self.integral = float(ki), float(integral_limit), 0.0
+        if hold < 0:
+            raise ValueError(f"hold must be >= 0, got {hold}")
+        self.hold, self.held, self.reached = int(hold), 0, hold == 0
         self.value = float(init_kl_coef)
         self.schedule, self.interp, self.scale = target_kl, interp, 1.0
         self.target = target_at(target_kl, 0.0, interp)
@@ -197,6 +219,11 @@ class AdaptiveKLController:
 
     def update(self, current_kl, n_steps) -> None:
         """current_kl: batch mean of per-response mean token KL; n_steps: #responses."""
+        if not self.reached:  # start-up: hold beta until the KL first reaches its target
+            if float(current_kl) < self.target and self.held < self.hold:
+                self.held += 1
+                return
+            self.reached = True
         err = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         if self.ki:  # pi: the rate also carries the (one-sided, clamped) integral of the error
             raw = min(float(current_kl) / self.target - 1.0, 1.0)
@@ -211,14 +238,17 @@ class AdaptiveKLController:
         self.value *= mult
 
     def state_dict(self) -> dict:
-        return {"value": float(self.value), "type": "pi" if self.ki else self.kind, "scale": self.scale,
-                "target": self.target, "integral": self.integral}
+        state = {"value": float(self.value), "type": "pi" if self.ki else self.kind, "scale": self.scale,
+                 "target": self.target, "integral": self.integral}
+        return state | ({"held": self.held, "reached": self.reached} if self.hold else {})
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
         self.scale = float(state.get("scale", 1.0))
         self.target = float(state.get("target", self.target))
         self.integral = float(state.get("integral", 0.0))
+        self.held = int(state.get("held", 0))
+        self.reached = bool(state.get("reached", self.hold == 0 or self.held >= self.hold))
 
 
 def make_kl_controller(kl_ctrl_cfg):
@@ -231,7 +261,8 @@ def make_kl_controller(kl_ctrl_cfg):
         return AdaptiveKLController(kl_ctrl_cfg.kl_coef, kl_ctrl_cfg.target_kl, kl_ctrl_cfg.horizon,
                                     getattr(kl_ctrl_cfg, "target_kl_interp", "step"),
                                     ki=getattr(kl_ctrl_cfg, "ki", 0.3) if kind == "pi" else 0.0,
-                                    integral_limit=getattr(kl_ctrl_cfg, "integral_limit", 1.0))
+                                    integral_limit=getattr(kl_ctrl_cfg, "integral_limit", 1.0),
+                                    hold=getattr(kl_ctrl_cfg, "hold", 0))
     raise ValueError(f"unknown kl_ctrl.type {kind!r}; valid types are 'fixed', 'adaptive', 'pi'")
 
 

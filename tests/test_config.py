@@ -224,7 +224,7 @@ def test_overrides_apply_after_files_with_yaml_values():
 def test_override_with_a_mapping_merges_into_the_section():
     cfg = load_config(TINY, ["algorithm.kl_ctrl={target_kl: 0.07}"])
     assert cfg.algorithm.kl_ctrl.target_kl == 0.07
-    assert cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.kl_ctrl.horizon == 640
+    assert cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.algorithm.kl_ctrl.horizon == 320 and cfg.algorithm.kl_ctrl.hold == 100
 
 
 def test_parse_cli(tmp_path):

@@ -16,7 +16,8 @@ from nanokl.ppo import ratio_out_band
 
 KL, EV, SCORE, RULE, LEN = ("actor/reward_kl_penalty", "critic/vf_explained_var", "critic/score/mean",
                             "critic/rule_score/mean", "response_length/mean")
-REP, CLIP, RATIO = "response_repetition/mean", "response_length/clip_ratio", "actor/ratio_out_band"
+REP, CLIP, RATIO, HOLD = "response_repetition/mean", "response_length/clip_ratio", "actor/ratio_out_band", \
+    "actor/kl_ctrl_holding"
 KNOBS = {"kl_coef": 0.05, "target_kl": 0.05, "actor_lr": 2e-5}
 
 
@@ -116,9 +117,10 @@ def test_escalation_modes(escalation, change, reload):
 
 def test_warmup_is_the_steps_beta_needs_to_double():
     tiny = load_config("configs/arith_tiny.yaml")
-    # by hand: 64 responses a step, horizon 640 -> beta moves by at most 2% a step; 1.02^35 = 1.99989 < 2,
-    # 1.02^36 = 2.03989 >= 2 -> 36 steps
-    assert warmup_steps(tiny) == 36
+    # by hand: 64 responses a step, horizon 320 -> beta moves by at most 4% a step; 1.04^17 = 1.9479 < 2,
+    # 1.04^18 = 2.0258 >= 2 -> 18 steps; at 640 (2%): 1.02^35 = 1.99989 < 2, 1.02^36 = 2.03989 -> 36
+    assert warmup_steps(tiny) == 18
+    assert warmup_steps(load_config("configs/arith_tiny.yaml", ["algorithm.kl_ctrl.horizon=640"])) == 36
     assert warmup_steps(load_config("configs/arith_tiny.yaml", ["trainer.kl_monitor.warmup_steps=5"])) == 5
     assert warmup_steps(load_config("configs/arith_tiny.yaml", ["algorithm.kl_ctrl.horizon=64"])) == 4  # 1.2^4 >= 2
 
@@ -131,6 +133,16 @@ def test_the_low_side_and_the_critic_wait_the_high_side_and_kl_stop_do_not():
                    3: [("kl_band", "warn", None, False), ("kl_stop", "stop", None, False)],
                    4: [("kl_band", "warn", None, False), ("critic", "warn", None, False)]}
     assert mon.kl_band_violations == 3  # steps 2, 3, 4: the quiet step 1 is no violation
+
+
+def test_the_low_side_also_waits_while_beta_holds_for_the_kl():
+    """kl_ctrl.hold: the trainer logs actor/kl_ctrl_holding 1 while beta waits for the KL to first reach
+    its target; the low side is quiet on those steps, past the warm-up too, and speaks once it reads 0."""
+    mon = KLMonitor(cfg(), warmup=1)
+    stream = [{KL: 0.001, HOLD: 1.0}, {KL: 0.001, HOLD: 1.0}, {KL: 0.5, HOLD: 1.0}, {KL: 0.001, HOLD: 0.0},
+              {KL: 0.001}]
+    assert events(mon, stream) == {3: [("kl_band", "warn", None, False)], 4: [("kl_band", "warn", None, False)],
+                                   5: [("kl_band", "warn", None, False)]}
 
 
 # ---- reward hacking --------------------------------------------------------------------------

@@ -259,3 +259,54 @@ def test_a_run_steers_the_kl_loss_coefficient_and_warns_once(sft_dir, tmp_path, 
 def load_n(root):
     from nanokl.harness.config import load_config
     return load_config(root / "configs" / "arith_tiny.yaml").actor_rollout_ref.rollout.n
+
+
+def test_hold_keeps_beta_until_the_kl_first_reaches_its_target():
+    """algorithm.kl_ctrl.hold: a scripted stream with the step of each move. β stays put while the KL
+    is below target and fewer than `hold` updates have been held; from the first KL at target (or
+    once `hold` updates are spent) it is Ziegler's rule, and never holds again."""
+    kls = [0.0, 0.01, 0.05, 0.099, 0.1, 0.0, 0.0, 0.2]
+    ctrl = make_kl_controller(cfg(hold=100))
+    betas = []
+    for kl in kls:
+        ctrl.update(kl, 64)
+        betas.append(ctrl.value)
+    assert betas[:4] == [0.05] * 4 and ctrl.held == 4  # steps 1-4: below target, held
+    expected = 0.05
+    for kl in kls[4:]:  # step 5 reaches the target (error 0: β unchanged), then every step moves
+        expected *= 1 + max(min(kl / 0.1 - 1, 0.2), -0.2) * 64 / 1000
+    assert betas[4] == 0.05 and betas[5] == pytest.approx(0.05 * (1 - 0.2 * 0.064), rel=1e-15)
+    assert ctrl.value == pytest.approx(expected, rel=1e-15) and ctrl.reached
+
+    capped = make_kl_controller(cfg(hold=2))  # the KL never comes: after 2 held updates β moves
+    for kl in (0.0, 0.0, 0.0):
+        capped.update(kl, 64)
+    assert capped.value == pytest.approx(0.05 * (1 - 0.2 * 0.064), rel=1e-15) and capped.held == 2
+
+    plain, zero = make_kl_controller(cfg()), make_kl_controller(cfg(hold=0))  # hold 0 is Ziegler's bit for bit
+    for kl in kls:
+        plain.update(kl, 64)
+        zero.update(kl, 64)
+        assert plain.value == zero.value
+
+
+def test_hold_state_round_trips_through_a_checkpoint():
+    a = make_kl_controller(cfg(hold=10))
+    for kl in (0.0, 0.02, 0.03):
+        a.update(kl, 64)
+    state = json.loads(json.dumps(a.state_dict()))
+    b = make_kl_controller(cfg(hold=10))
+    b.load_state_dict(state)
+    assert (b.held, b.reached, b.value) == (3, False, 0.05)
+    for kl in (0.04, 0.12, 0.0):
+        a.update(kl, 64)
+        b.update(kl, 64)
+        assert (b.value, b.held, b.reached) == (a.value, a.held, a.reached)
+    assert b.reached and b.value != 0.05
+
+
+def test_a_negative_hold_fails_config_validation_naming_the_key():
+    from nanokl.harness.config import load_config
+    from nanokl.harness.config_io import ConfigError
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_ctrl\.hold"):
+        load_config(None, ["algorithm.kl_ctrl.hold=-1"])

@@ -264,6 +264,7 @@ class KLCtrlConfig:
     target_kl_interp: Literal["step", "linear"] = "step"  # a schedule: piecewise constant, or linear between points
     ki: float = 0.3  # pi (nanokl-only): weight of the integral of the error in beta's rate (kl_ctrl.py)
     integral_limit: float = 1.0  # pi (nanokl-only): anti-windup, 0 <= integral <= this (in horizons x error)
+    hold: int = 0  # adaptive, pi (nanokl-only): beta waits up to this many steps for the KL to first reach target
 
 
 @dataclass

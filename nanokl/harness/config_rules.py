@@ -98,7 +98,7 @@ _RULES = [
       _S + "intermediate_size", _S + "max_position_embeddings"],
      lambda v: v > 0, "> 0"),
     (["data.num_val", "data.seed", "trainer.seed", "trainer.critic_warmup", _A + "kl_loss_coef",
-      "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.ki", "reward_model.missing_eos_penalty", _M + "kl_low", _M + "entropy_min", _M + "rollback_min_beta", _M + "collapse_entropy",
+      "algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.ki", "algorithm.kl_ctrl.hold", "reward_model.missing_eos_penalty", _M + "kl_low", _M + "entropy_min", _M + "rollback_min_beta", _M + "collapse_entropy",
       _M + "max_rollbacks", "trainer.val_kl_prompts", "reward_model.train.num_val_prompts", "reward_model.train.seed",
       _R + "val_kwargs.temperature", _A + "optim.lr", _A + "optim.weight_decay",
       _C + "optim.lr", _C + "optim.weight_decay"],

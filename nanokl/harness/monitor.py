@@ -55,8 +55,10 @@ config that wants a band acting at its edges sets kl_high_act = kl_high and kl_l
 Quiet start. The KL starts at 0 and the critic untrained, by design, so the band's low side and the
 critic check stay silent on steps 1..warmup (their fired metric reads 0 and no violation is
 counted). warmup_steps(cfg) gives trainer.kl_monitor.warmup_steps, or when null the steps an
-adaptive beta needs to double or halve at its fastest (36 for arith_tiny). The high side and kl_stop
-never wait: a real early drift is still seen.
+adaptive beta needs to double or halve at its fastest. The low side also waits while an adaptive
+controller with `kl_ctrl.hold` still holds beta for the KL to first reach its target
+(`actor/kl_ctrl_holding` reads 1): the KL is on its way up by design, for at most `hold` steps.
+The high side and kl_stop never wait: a real early drift is still seen.
 
 Each check has an action (`<check>_action`): "warn" (log it), "adjust" (turn a knob, below), "stop"
 (save and end the run cleanly) or "rollback" (reload the last healthy checkpoint, multiply beta by
@@ -159,7 +161,7 @@ def warmup_steps(cfg) -> int:
     """The quiet start of a full config (trainer.kl_monitor.warmup_steps, or when null): the steps an
     adaptive beta needs to double or halve at its fastest, each step moving it by at most
     1 + 0.2 N / horizon (nanokl/kl_ctrl.py), N the responses of a step: ceil(ln 2 / ln(1 + 0.2 N / horizon)),
-    36 for arith_tiny (N = 64, horizon 640). Before that the controller has not had the time to act, so a
+    18 for arith_tiny (N = 64, horizon 320). Before that the controller has not had the time to act, so a
     KL below the band is its starting point, not its failure. A fixed controller never acts; it gets the
     same number from its (unused) horizon: the KL climbs from 0 at the pace the learning rate sets, which
     no key measures, and the KL-above side and kl_stop never wait, so a real early drift is still seen."""
@@ -241,8 +243,9 @@ class KLMonitor:
         kl = _read(metrics, kl_key) if kl_key else None
         side = None
         quiet = step <= self.warmup  # the quiet start: the low side and the critic wait
+        holding = bool(_read(metrics, "actor/kl_ctrl_holding"))  # beta still waits for the KL (kl_ctrl.hold)
         if kl is not None:
-            if not c.kl_low <= kl <= c.kl_high and not (quiet and kl < c.kl_low):
+            if not c.kl_low <= kl <= c.kl_high and not ((quiet or holding) and kl < c.kl_low):
                 self.kl_band_violations += 1
                 side = "kl_low" if kl < c.kl_low else "kl_high"
                 failed["kl_band"] = f"KL {kl:.4g} outside the healthy band [{c.kl_low}, {c.kl_high}] ({kl_key})"

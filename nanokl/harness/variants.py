@@ -236,6 +236,8 @@ def steer(run, batch, kl, current, beta, weights, metrics, read):
     mask = batch["response_mask"]
     current = read(run, batch, kl, current, weights, metrics)
     run.kl_ctrl.update(current, n_steps=len(mask) * run.world)
+    if getattr(run.kl_ctrl, "hold", 0):  # kl_ctrl.hold: the monitor's low side waits while beta does
+        metrics["actor/kl_ctrl_holding"] = float(not run.kl_ctrl.reached)
     return {**metrics, "actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta,
             "actor/reward_kl_var": global_var(masked_mean(kl, mask, dim=-1))}  # for the KL monitor
 
