@@ -4,7 +4,9 @@ settles on target, state round-trips, and config validation.
 How the tests prove it. A sequence of updates equals the closed-form product β_0 Π (1 + clip(...)·n/H)
 computed in the test, with the error visibly clipped at ±0.2; in a toy closed loop where the
 measured KL is c/β, β converges until the KL is within 5% of target; a state_dict loaded into a
-fresh controller produces the same future trajectory; bad configs raise ValueError.
+fresh controller produces the same future trajectory; bad configs raise ValueError. `hold` is checked
+on a scripted stream with the step of each move (held while below target, Ziegler's rule from the first
+KL at target or once `hold` updates are spent; hold 0 is Ziegler's bit for bit).
 """
 
 import json
@@ -310,3 +312,33 @@ def test_a_negative_hold_fails_config_validation_naming_the_key():
     from nanokl.harness.config_io import ConfigError
     with pytest.raises(ConfigError, match=r"algorithm\.kl_ctrl\.hold"):
         load_config(None, ["algorithm.kl_ctrl.hold=-1"])
+
+
+@pytest.mark.parametrize("hold", [100, 1])
+def test_a_default_run_holds_beta_and_says_so(sft_dir, tmp_path, hold):
+    """3 steps of the default config (hold 100): the KL starts far below 0.07, so β stays at 0.05 and
+    actor/kl_ctrl_holding reads 1 each step; with hold 1 the second update already moves β by the rule."""
+    from pathlib import Path
+
+    import train_ppo
+    from nanokl.harness.tracking import read_metrics
+    root = Path(__file__).resolve().parents[1]
+    train_ppo.main(["--config", str(root / "configs" / "arith_tiny.yaml"),
+                    "data.num_train=64", "data.num_val=8", "data.train_batch_size=8", "data.max_response_length=16",
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                    f"algorithm.kl_ctrl.hold={hold}", "trainer.kl_monitor.warmup_steps=0",  # only the hold quiets it
+                    "trainer.logger=jsonl", "trainer.test_freq=-1",
+                    "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.total_training_steps=3",
+                    f"actor_rollout_ref.model.path={sft_dir}", f"sft.output_dir={sft_dir}",
+                    f"trainer.default_local_dir={tmp_path}"])
+    rows = [r for r in read_metrics(tmp_path) if "actor/reward_kl_penalty_coeff" in r]
+    betas, kls = [r["actor/reward_kl_penalty_coeff"] for r in rows], [r["actor/reward_kl_penalty"] for r in rows]
+    assert len(rows) == 3 and max(kls) < 0.07
+    if hold == 100:
+        assert betas == [0.05] * 3 and [r["actor/kl_ctrl_holding"] for r in rows] == [1.0] * 3
+        assert [r["monitor/kl_band_fired"] for r in rows] == [0.0] * 3  # the low side waits while β holds
+    else:  # step 1's update is held, step 2's moves: step 3 logs 0.05 * (1 + clip(e2) * 8/320)
+        e2 = max(min(kls[1] / 0.07 - 1, 0.2), -0.2)
+        assert betas[:2] == [0.05, 0.05] and betas[2] == pytest.approx(0.05 * (1 + e2 * 8 / 320), rel=1e-12)
+        assert [r["actor/kl_ctrl_holding"] for r in rows] == [1.0, 0.0, 0.0]
+        assert [r["monitor/kl_band_fired"] for r in rows] == [0.0, 1.0, 1.0]  # KL < kl_low 0.03: it warns
