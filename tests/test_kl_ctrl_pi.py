@@ -200,6 +200,7 @@ def test_a_run_moves_beta_by_the_pi_rule(sft_dir, tmp_path):
                     "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                     "algorithm.kl_ctrl.type=pi", f"algorithm.kl_ctrl.target_kl={target}",
                     f"algorithm.kl_ctrl.horizon={horizon}", "algorithm.kl_ctrl.integral_limit=0.15",
+                    "algorithm.kl_ctrl.hold=0",  # the rule from step 1 (the default holds while KL < target)
                     "algorithm.kl_penalty=mse",  # k2 >= 0: k1's batch mean of a barely moved policy may be < 0
                     "trainer.logger=jsonl", "trainer.test_freq=-1", "trainer.val_before_train=false",
                     "trainer.kl_monitor.enable=false", "trainer.save_freq=-1", "trainer.total_training_steps=4",
