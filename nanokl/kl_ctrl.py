@@ -248,7 +248,8 @@ class AdaptiveKLController:
         self.target = float(state.get("target", self.target))
         self.integral = float(state.get("integral", 0.0))
         self.held = int(state.get("held", 0))
-        self.reached = bool(state.get("reached", self.hold == 0 or self.held >= self.hold))
+        # no "reached": the run that saved it did not hold (hold 0, or before the key), so neither does its resume
+        self.reached = bool(state.get("reached", True))
 
 
 def make_kl_controller(kl_ctrl_cfg):

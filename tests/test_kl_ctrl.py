@@ -305,6 +305,10 @@ def test_hold_state_round_trips_through_a_checkpoint():
         b.update(kl, 64)
         assert (b.value, b.held, b.reached) == (a.value, a.held, a.reached)
     assert b.reached and b.value != 0.05
+    c = make_kl_controller(cfg(hold=10))  # a checkpoint of a run that never held resumes without holding
+    c.load_state_dict(make_kl_controller(cfg()).state_dict())
+    c.update(0.0, 64)
+    assert c.reached and c.value == pytest.approx(0.05 * (1 - 0.2 * 0.064), rel=1e-15)
 
 
 def test_a_negative_hold_fails_config_validation_naming_the_key():
