@@ -156,7 +156,8 @@ def race_nanokl(args, label, overrides, seed, sets):
         curve.append({"t": clock.t, "step": step, **evaluate(run.rollout_model, run.ref, run.tok, cfg, sets,
                                                                args.kl_prompts, run.device)})
         say(label, seed, curve[-1])
-    point()
+    if not args.skip_start:
+        point()
     while not clock.done():
         t0 = time.perf_counter()
         m = train_ppo.ppo_step(run, step)
@@ -166,18 +167,20 @@ def race_nanokl(args, label, overrides, seed, sets):
                     **{k: v for k, v in m.items() if k.startswith("timing_s/")}})
         if clock.due():
             point()
-    return {"side": "nanokl", "label": label, "seed": seed, "settings": overrides, "curve": curve, "train": kls}
+    return {"side": "nanokl", "label": label, "seed": seed, "settings": overrides, "curve": curve, "train": kls,
+            "samples": cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n}
 
 
 def race_trl(args, label, overrides, seed, sets):
-    """TRL's GRPOTrainer: `gens` completions per prompt, 64 completions per step, KL loss at `beta`, sampling
-    (and, as TRL does, every log-prob) at temperature `temp`."""
+    """TRL's GRPOTrainer: `prompts` prompts a step (default: 64 completions a step) with `gens` completions
+    each, KL loss at `beta`, sampling (and, as TRL does, every log-prob) at temperature `temp`."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     s = dict(kv.split("=") for kv in parse_setting(f"x:{TRL_DEFAULT}")[1] + overrides)
     lr, gens, beta, temp = float(s["lr"]), int(s["gens"]), float(s["beta"]), float(s["temp"])
+    prompts = int(s.get("prompts", 64 // gens))
     cfg = base_config(args, [f"trainer.seed={seed}"])
     path = cfg.actor_rollout_ref.model.path
     score = TASKS["arith"].score
@@ -215,7 +218,8 @@ def race_trl(args, label, overrides, seed, sets):
             if logs and "kl" in logs:
                 kls.append({"t": clock.t, "kl": logs["kl"], "score": logs.get("reward")})
 
-    targs = GRPOConfig(output_dir=str(Path(args.out) / "trl_run"), per_device_train_batch_size=64, num_generations=gens,
+    targs = GRPOConfig(output_dir=str(Path(args.out) / "trl_run"), per_device_train_batch_size=prompts * gens,
+                       num_generations=gens,
                        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
                        max_completion_length=cfg.data.max_response_length, temperature=temp, beta=beta,
                        learning_rate=lr, lr_scheduler_type="constant", max_steps=1_000_000, logging_steps=1,
@@ -228,11 +232,12 @@ def race_trl(args, label, overrides, seed, sets):
                           callbacks=[Race()])
     trainer.remove_callback(PrinterCallback)  # its per-step dict would bury the curve
     check_same_prompt_ids(tok, nk_tok, [ex["prompt"] for ex in train[:64]])
-    point(trainer.model)
+    if not args.skip_start:
+        point(trainer.model)
     with contextlib.redirect_stdout(sys.stderr):  # its end-of-training summary is not our table
         trainer.train()
     return {"side": "trl", "label": label, "seed": seed, "settings": [f"{k}={v}" for k, v in s.items()],
-            "curve": curve, "train": kls}
+            "curve": curve, "train": kls, "samples": prompts * gens}
 
 
 def setup_tokenizer(cfg):
@@ -335,7 +340,7 @@ def main(argv=None):
     ap.add_argument("--seeds", default="42", help="comma list; nanokl's trainer.seed, TRL's seed")
     ap.add_argument("--nanokl", action="append", default=None, metavar="LABEL[:key=v,...]",
                     help="a nanokl setting (repeatable); default: the config's default")
-    ap.add_argument("--trl", action="append", default=None, metavar="LABEL[:lr=..,gens=..,beta=..,temp=..]",
+    ap.add_argument("--trl", action="append", default=None, metavar="LABEL[:lr=..,gens=..,prompts=..,beta=..,temp=..]",
                     help=f"a TRL setting (repeatable); default: {TRL_DEFAULT}")
     ap.add_argument("--no-nanokl", action="store_true")
     ap.add_argument("--no-trl", action="store_true")
@@ -346,6 +351,7 @@ def main(argv=None):
     ap.add_argument("--val-size", type=int, default=None, help="default: the config's data.num_val")
     ap.add_argument("--kl-prompts", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-start", action="store_true", help="no evaluation of the warm start (a grid's screen)")
     ap.add_argument("--out", default="runs/race")
     ap.add_argument("--plot", default=None, help="write the plot here (needs matplotlib)")
     ap.add_argument("--report", default=None, help="only print the table (and plot) of the curves in this folder")
