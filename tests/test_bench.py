@@ -207,7 +207,7 @@ def test_race_setting_may_name_its_config():
     want = load_config(ROOT / "configs" / "dapo_arith.yaml")
     assert cfg.algorithm.filter_groups.enable and cfg.algorithm.adv_estimator == want.algorithm.adv_estimator == "grpo"
     assert cfg.trainer.seed == 7 and cfg.trainer.test_freq == -1 and not cfg.trainer.kl_monitor.enable
-    assert race.base_config(args, []).algorithm.adv_estimator == "gae"
+    assert race.base_config(args, []).algorithm.adv_estimator == "reinforce_plus_plus"
 
 
 def test_race_tiny(sft_dir, tmp_path):

@@ -129,8 +129,8 @@ def test_arith_tiny_loads_what_the_file_says():
     assert cfg.actor_rollout_ref.rollout.prompt_length == written["data.max_prompt_length"]
     assert cfg.actor_rollout_ref.rollout.response_length == written["data.max_response_length"]
     assert cfg.critic.model.path == cfg.actor_rollout_ref.model.tokenizer_path == "runs/arith_tiny/sft"
-    assert cfg.critic.ppo_mini_batch_size == 32 and cfg.critic.ppo_epochs == 1
-    assert cfg.data.val_batch_size == 64 and cfg.data.seed == 42
+    assert cfg.critic.ppo_mini_batch_size == 64 and cfg.critic.ppo_epochs == 1  # the actor's
+    assert cfg.data.val_batch_size == cfg.data.train_batch_size == 128 and cfg.data.seed == 42
     assert cfg.data.train_files is None
     assert cfg.actor_rollout_ref.ref.strategy == cfg.critic.strategy == "ddp"  # inherited from actor.strategy
     # The CPU default turns KL on, in the reward, under the adaptive controller (not twice).
@@ -154,8 +154,10 @@ def test_presets_sit_over_arith_tiny(path, kl_ctrl, band, name, actions):
     assert (m.kl_band_action, m.kl_var_action, m.entropy_action, m.collapse_action, m.kl_stop_action,
             m.rollback_recipe) == actions
     assert cfg.trainer.experiment_name == name
-    # Everything the preset does not mention is arith_tiny's, siblings of merged sections included.
-    tiny = load_config(TINY)
+    # Everything the preset does not mention is arith_tiny's, siblings of merged sections included; the
+    # presets pin the step they were measured with (GAE + critic at 64 prompts a step).
+    assert cfg.algorithm.adv_estimator == "gae"
+    tiny = load_config(TINY, ["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
     assert m.entropy_min == tiny.trainer.kl_monitor.entropy_min == 0.025
     assert m.reward_var_action == tiny.trainer.kl_monitor.reward_var_action == "warn"
     assert cfg.trainer.logger == ["console", "jsonl"]

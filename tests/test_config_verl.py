@@ -158,7 +158,7 @@ def test_every_verl_only_field_has_a_note_or_a_rule():
      "actor_rollout_ref.rollout.tensor_model_parallel_size must be > 0"),
     ("actor_rollout_ref.rollout.gpu_memory_utilization=1.5",
      "actor_rollout_ref.rollout.gpu_memory_utilization must be in (0, 1]"),
-    ("critic.enable=false", "critic.enable=False contradicts algorithm.adv_estimator=gae"),
+    ("critic.enable=true", "critic.enable=True contradicts algorithm.adv_estimator=reinforce_plus_plus"),
     ("data.train_max_samples=0", "data.train_max_samples must be -1 (off) or > 0"),
 ])
 def test_refused_verl_values_name_the_key_and_where(override, expected):

@@ -196,7 +196,8 @@ def test_optimizer_offload_moves_the_state_around_each_step(monkeypatch):
 
 TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data.max_response_length=32",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "trainer.logger=[jsonl]", "trainer.test_freq=3"]
+        "trainer.logger=[jsonl]", "trainer.test_freq=3",
+        "algorithm.adv_estimator=gae"]  # the step with a critic: its weights, optimizer and resume too
 
 
 # ddp over 2 processes; fsdp2 over 1, as the one-GPU check runs it (a process group, sharded, a rollout copy).

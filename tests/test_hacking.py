@@ -117,12 +117,15 @@ def test_escalation_modes(escalation, change, reload):
 
 def test_warmup_is_the_steps_beta_needs_to_double():
     tiny = load_config("configs/arith_tiny.yaml")
-    # by hand: 64 responses a step, horizon 320 -> beta moves by at most 4% a step; 1.04^17 = 1.9479 < 2,
-    # 1.04^18 = 2.0258 >= 2 -> 18 steps; at 640 (2%): 1.02^35 = 1.99989 < 2, 1.02^36 = 2.03989 -> 36
-    assert warmup_steps(tiny) == 18
-    assert warmup_steps(load_config("configs/arith_tiny.yaml", ["algorithm.kl_ctrl.horizon=640"])) == 36
+    # by hand: 128 responses a step, horizon 320 -> beta moves by at most 8% a step; 1.08^9 = 1.99900 < 2,
+    # 1.08^10 = 2.15892 >= 2 -> 10 steps. At 64 a step (4%): 1.04^17 = 1.9479 < 2, 1.04^18 = 2.0258 -> 18;
+    # at 640 (2%): 1.02^35 = 1.99989 < 2, 1.02^36 = 2.03989 -> 36; at 64 (20%): 1.2^3 = 1.728, 1.2^4 = 2.0736 -> 4
+    assert warmup_steps(tiny) == 10
+    half = ["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=32"]
+    assert warmup_steps(load_config("configs/arith_tiny.yaml", half)) == 18
+    assert warmup_steps(load_config("configs/arith_tiny.yaml", [*half, "algorithm.kl_ctrl.horizon=640"])) == 36
     assert warmup_steps(load_config("configs/arith_tiny.yaml", ["trainer.kl_monitor.warmup_steps=5"])) == 5
-    assert warmup_steps(load_config("configs/arith_tiny.yaml", ["algorithm.kl_ctrl.horizon=64"])) == 4  # 1.2^4 >= 2
+    assert warmup_steps(load_config("configs/arith_tiny.yaml", [*half, "algorithm.kl_ctrl.horizon=64"])) == 4
 
 
 def test_the_low_side_and_the_critic_wait_the_high_side_and_kl_stop_do_not():

@@ -202,6 +202,9 @@ def test_a_run_moves_beta_by_the_pi_rule(sft_dir, tmp_path):
                     f"algorithm.kl_ctrl.horizon={horizon}", "algorithm.kl_ctrl.integral_limit=0.15",
                     "algorithm.kl_ctrl.hold=0",  # the rule from step 1 (the default holds while KL < target)
                     "algorithm.kl_penalty=mse",  # k2 >= 0: k1's batch mean of a barely moved policy may be < 0
+                    # GAE: its critic's baseline moves the policy on step 1, whose reward is all zero (no
+                    # answer right, KL 0); REINFORCE++'s whitened returns are then 0 and nothing moves
+                    "algorithm.adv_estimator=gae",
                     "trainer.logger=jsonl", "trainer.test_freq=-1", "trainer.val_before_train=false",
                     "trainer.kl_monitor.enable=false", "trainer.save_freq=-1", "trainer.total_training_steps=4",
                     f"actor_rollout_ref.model.path={sft_dir}", f"sft.output_dir={sft_dir}",

@@ -34,7 +34,8 @@ BLOW_UP = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "d
            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
            "trainer.logger=[console,jsonl]", "trainer.test_freq=-1", "trainer.val_before_train=false",
            "algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0", "actor_rollout_ref.actor.optim.lr=0.05",
-           "trainer.kl_monitor.enable=true", "trainer.kl_monitor.kl_stop_patience=2", "trainer.device=cpu"]
+           "trainer.kl_monitor.enable=true", "trainer.kl_monitor.kl_stop_patience=2", "trainer.device=cpu",
+           "algorithm.adv_estimator=gae"]  # the step with a critic: rollback restores its weights and lr too
 
 
 def first_streak_end(rows, threshold=0.2, patience=2):

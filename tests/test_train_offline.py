@@ -27,7 +27,8 @@ TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "trainer.logger=[jsonl]", "trainer.test_freq=3",
         "trainer.save_freq=3", "trainer.total_training_steps=3", "trainer.val_kl_prompts=8",
-        "algorithm.rollout_correction.rollout_is=token"]
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.adv_estimator=gae"]  # the step with a critic: its weights, optimizer and resume too
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data.max_response_length=32",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "trainer.logger=[jsonl]", "trainer.test_freq=2", "trainer.save_freq=2", "trainer.total_training_steps=2"]
+GAE = "algorithm.adv_estimator=gae"  # the step with a critic (arith_tiny.yaml's REINFORCE++ has none)
 
 
 def run(sft_dir, run_dir, *extra):
@@ -45,15 +46,15 @@ COMMON_KEYS = ["actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entr
 
 
 @pytest.mark.parametrize("name,extra,keys", [
-    ("kl_in_reward", ["actor_rollout_ref.actor.use_kl_loss=false"],
+    ("kl_in_reward", [GAE, "actor_rollout_ref.actor.use_kl_loss=false"],
      ["actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "critic/vf_explained_var", "critic/vf_loss"]),
-    ("kl_loss", ["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
+    ("kl_loss", [GAE, "algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
                  "algorithm.rollout_correction.bypass_mode=false"],  # the recomputing forward
      ["actor/kl_loss", "actor/kl_coef", "critic/vf_loss", "rollout/log_prob_max_diff", "timing_s/old_log_prob"]),
     ("grpo", ["--config", str(ROOT / "configs" / "grpo_arith.yaml"), "actor_rollout_ref.rollout.n=4",
               "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.save_freq=-1"],
      ["actor/kl_loss", "critic/advantages/mean"]),
-    ("full_in_reward", ["algorithm.kl_penalty=full"],
+    ("full_in_reward", [GAE, "algorithm.kl_penalty=full"],
      ["actor/reward_kl_penalty", "actor/reward_kl_k1", "actor/reward_kl_k3", "critic/vf_loss"]),
     ("full_loss", ["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
                    "actor_rollout_ref.actor.kl_loss_type=full"],
@@ -90,7 +91,7 @@ RC = "algorithm.rollout_correction."
 @pytest.mark.parametrize("name,extra,keys", [
     ("gspo", [*GRPO, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
               "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"], ["actor/kl_loss", "critic/advantages/mean"]),
-    ("cispo", ["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], ["critic/vf_loss", "actor/reward_kl_penalty"]),
+    ("cispo", [GAE, "actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], ["critic/vf_loss", "actor/reward_kl_penalty"]),
     ("reinforce_plus_plus", ["algorithm.adv_estimator=reinforce_plus_plus"], ["critic/advantages/mean"]),
     ("reinforce_plus_plus_baseline", [*GRPO, "algorithm.adv_estimator=reinforce_plus_plus_baseline"],
      ["critic/advantages/mean"]),
@@ -123,7 +124,7 @@ def test_policy_losses_estimators_dapo_and_corrections_run(sft_dir, tmp_path, na
     for r in rows:
         for k, v in r.items():
             assert k == "monitor/health" or (isinstance(v, (int, float)) and math.isfinite(v)), f"{name}: {k}={v}"
-    if name not in ("cispo", "rollout_is_sequence", "rollout_rs", "val_at_k"):  # GAE there; the new estimators: none
+    if GAE not in extra:  # a critic exactly with GAE
         assert "critic/vf_loss" not in rows[-1]
     if name == "dapo":
         assert all(r["train/num_gen_batches"] >= 1 and "actor/kl_loss" not in r for r in rows[1:])
@@ -195,15 +196,21 @@ def weights(path):
     return load_file(Path(path) / "model.safetensors")
 
 
-def test_exact_resume(sft_dir, tmp_path):
-    steps4 = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1"]
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "gae"])
+def test_exact_resume(sft_dir, tmp_path, estimator):
+    """The default (REINFORCE++: an actor only) and GAE (actor and critic) resume bit for bit."""
+    steps4 = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1",
+              f"algorithm.adv_estimator={estimator}"]
     run(sft_dir, tmp_path / "a", *steps4)
     # 2 steps, stop, then resume (auto) and run to 4
-    run(sft_dir, tmp_path / "b", "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1")
+    run(sft_dir, tmp_path / "b", "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
+        f"algorithm.adv_estimator={estimator}")
     run(sft_dir, tmp_path / "b", *steps4)
     a, b = latest_checkpoint(tmp_path / "a"), latest_checkpoint(tmp_path / "b")
     assert a.name == b.name == "global_step_4"
-    for part in ("actor", "critic"):
+    parts = ("actor", "critic") if estimator == "gae" else ("actor",)
+    assert (a / "critic").exists() == (estimator == "gae")
+    for part in parts:
         wa, wb = weights(a / part), weights(b / part)
         assert wa.keys() == wb.keys()
         for k in wa:
@@ -269,7 +276,7 @@ def test_drop_rows_after_matches_a_filter(tmp_path):
 
 
 def test_crash_during_checkpoint_write_keeps_previous(sft_dir, tmp_path):
-    run(sft_dir, tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1")
+    run(sft_dir, tmp_path, "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1", GAE)
     before = latest_checkpoint(tmp_path)
     # a second process dies (os._exit, no cleanup) in the middle of writing step 4's weights
     script = f"""
@@ -285,7 +292,7 @@ hf.save_tensors = dying
 import train_ppo
 train_ppo.main(["--config", {str(ROOT / 'configs' / 'arith_tiny.yaml')!r}, *{TINY!r},
     "actor_rollout_ref.model.path={sft_dir}", "trainer.default_local_dir={tmp_path}",
-    "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1"])
+    "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1", {GAE!r}])
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr[-2000:]
@@ -378,7 +385,8 @@ def test_same_run_whether_the_warm_start_was_trained_in_process_or_loaded(tmp_pa
     finds it on disk. Same command, same run: every logged number equal (timing aside)."""
     sft = tmp_path / "sft"
     tiny = ["sft.steps=20", "sft.num_examples=256", "sft.hidden_size=32", "sft.intermediate_size=48",
-            "sft.num_hidden_layers=1", "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1"]
+            "sft.num_hidden_layers=1", "trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1",
+            GAE]  # the critic too is built from the warm start
     run(sft, tmp_path / "a", *tiny)  # trains the warm start first (sft.output_dir = model path)
     run(sft, tmp_path / "b", *tiny)  # loads it
     a, b = raw_rows(tmp_path / "a"), raw_rows(tmp_path / "b")

@@ -161,7 +161,7 @@ def warmup_steps(cfg) -> int:
     """The quiet start of a full config (trainer.kl_monitor.warmup_steps, or when null): the steps an
     adaptive beta needs to double or halve at its fastest, each step moving it by at most
     1 + 0.2 N / horizon (nanokl/kl_ctrl.py), N the responses of a step: ceil(ln 2 / ln(1 + 0.2 N / horizon)),
-    18 for arith_tiny (N = 64, horizon 320). Before that the controller has not had the time to act, so a
+    10 for arith_tiny (N = 128, horizon 320). Before that the controller has not had the time to act, so a
     KL below the band is its starting point, not its failure. A fixed controller never acts; it gets the
     same number from its (unused) horizon: the KL climbs from 0 at the pace the learning rate sets, which
     no key measures, and the KL-above side and kl_stop never wait, so a real early drift is still seen."""
