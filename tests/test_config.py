@@ -319,7 +319,7 @@ def test_measured_configs_keep_temperature_1_under_arith_tiny_at_0_6(name):
     were measured with: temperature 1 (the offline ones score logged temperature-1 samples, so every log-prob
     must be taken there), and the KL band and entropy floor around a target of 0.05."""
     tiny = load_config(TINY)
-    assert tiny.actor_rollout_ref.rollout.temperature == 0.6 and tiny.algorithm.kl_ctrl.target_kl == 0.07
+    assert tiny.actor_rollout_ref.rollout.temperature == 0.6 and tiny.algorithm.kl_ctrl.target_kl == 0.085
     assert (tiny.trainer.kl_monitor.kl_low, tiny.trainer.kl_monitor.kl_high) == (0.03, 0.11)
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
     m = cfg.trainer.kl_monitor
