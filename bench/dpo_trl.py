@@ -136,7 +136,7 @@ def trl_trainer(model, ref, examples, beta, loss_type, out_dir, optimizers=(None
 @contextlib.contextmanager
 def float64_logits():
     """response_logits without its fp32 cast, for the 1e-6 comparison."""
-    def logits64(model, mb, temperature, packed=False):
+    def logits64(model, mb, temperature, packed=False, inputs=None):
         R = mb["responses"].shape[1]
         return model(mb["sequences"], mb["attention_mask"], mb["position_ids"], logits_to_keep=R + 1)[:, :-1] / temperature
     saved = dpo.response_logits

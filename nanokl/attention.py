@@ -109,9 +109,12 @@ def document_lengths(attention_mask):
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
-def packed_layout(lengths, seq_ids):
-    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return Layout("packed", cu_seqlens=cu.to(seq_ids.device), lengths=list(lengths), seq_ids=seq_ids)
+def packed_layout(lengths, seq_ids, cu_seqlens=None):
+    """The packed layout of documents of `lengths` (host ints); `cu_seqlens` when the caller already
+    sent them to the device (nanokl/batching.py, with the rest of a micro-batch's metadata)."""
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(seq_ids.device)
+    return Layout("packed", cu_seqlens=cu_seqlens, lengths=list(lengths), seq_ids=seq_ids)
 
 
 def layout(attention_mask):

@@ -40,6 +40,8 @@ import warnings
 
 import torch
 
+from nanokl import attention as A
+
 
 def balanced_partition(lengths, k):
     """LPT: indices into k bins, longest first, each into the currently lightest bin."""
@@ -69,52 +71,100 @@ def token_budget_micro_batches(lengths, budget, min_count=1):
     return bins
 
 
-def sequence_lengths(batch, packed):
-    """Tokens a sequence costs in a forward: its real tokens when packed, its padded row if not."""
-    mask = batch["attention_mask"]
-    return (mask.sum(-1) if packed else torch.full((len(mask),), mask.shape[1])).tolist()
-
-
-def pack(mb):
-    """One packed row of the real tokens of micro-batch `mb` (the padded [n, P+R] layout).
-
-    Returns the model inputs (input_ids, attention_mask with sequence ids, position_ids, each
-    [1, L]) and `index` [n, R]: the packed position whose output predicts each response token
-    (0 where the response is padding: those entries are garbage that the response mask hides)."""
-    mask = mb["attention_mask"]
-    n, T = mask.shape
-    R = mb["responses"].shape[1]
-    P = T - R
-    real = mask > 0
-    lengths = real.sum(-1)
-    starts = torch.cumsum(lengths, 0) - lengths
-    ids = mb["sequences"][real][None]
-    doc = torch.repeat_interleave(torch.arange(1, n + 1, device=mask.device), lengths)[None]
-    pos = (torch.arange(ids.shape[1], device=mask.device) - torch.repeat_interleave(starts, lengths))[None]
-    prompt_len = real[:, :P].sum(-1)
-    index = starts[:, None] + prompt_len[:, None] + torch.arange(R, device=mask.device)[None] - 1
-    index = index * mb["response_mask"]
-    return ids, doc, pos, index
-
-
 @dataclasses.dataclass
 class Batching:
-    """How a batch is cut into micro-batches: a fixed count of responses, or a token budget
-    (`use_dynamic_bsz`), and whether each micro-batch is packed (`use_remove_padding`)."""
+    """How a pass cuts its batch into micro-batches: a fixed count of responses, or a token budget
+    (`use_dynamic_bsz`); whether each micro-batch is packed (`use_remove_padding`); and how the LM head
+    runs (`chunk`: nanokl/fused.py's chunked log-probs, never the whole [tokens, V] logits)."""
     micro_size: int | None = None  # responses per micro-batch; None: the whole batch at once
     token_budget: int | None = None  # tokens per micro-batch instead (dynamic batch size)
     packed: bool = False  # concatenate real tokens into one row, no padding
+    chunk: int | None = None  # tokens per chunk of the LM head's log-probs and entropy; None: whole logits
+    bucket: int | None = None  # a packed row is padded up to a multiple of this (a compiled layer sees few lengths)
 
 
-def split(batch, spec: Batching, agree=max):
-    """Row indices of each micro-batch. With a token budget, `agree` turns this rank's count into
-    the count every rank uses (the max over ranks, so that all run the same number)."""
-    n = len(batch["responses"])
+def host_mask(batch):
+    """The attention mask on the host: one device read per pass, before its micro-batch loop. Every
+    micro-batch's lengths, packing and attention layout then come from it, with no read inside the loop."""
+    return batch["attention_mask"].to("cpu")
+
+
+def split(mask, spec: Batching, agree=max):
+    """Row indices of each micro-batch of the rows of `mask` (a host_mask). With a token budget,
+    `agree` turns this rank's count into the count every rank uses (the max over ranks, so that all
+    run the same number)."""
+    n = len(mask)
     if spec.token_budget is None:
         size = spec.micro_size or n
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-    lengths = sequence_lengths(batch, spec.packed)
+    lengths = (mask > 0).sum(-1).tolist() if spec.packed else [mask.shape[1]] * n
     with warnings.catch_warnings():  # the count first; warn once, below, for the final split
         warnings.simplefilter("ignore")
         count = len(token_budget_micro_batches(lengths, spec.token_budget))
     return token_budget_micro_batches(lengths, spec.token_budget, min_count=int(agree(count)))
+
+
+def take(batch: dict, idx) -> dict:
+    """The rows `idx` (a device index) of every [N, ...] tensor of a batch (None stays None)."""
+    return {k: None if v is None else v[idx] for k, v in batch.items()}
+
+
+def send(tensors, device):
+    """Host integer tensors to `device` in one copy, as views of their shapes. On CUDA the copy is
+    from pinned memory and non-blocking: the host goes on queueing kernels, nothing waits."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors])
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+@dataclasses.dataclass
+class ModelInputs:
+    """What a training forward passes to the model for one micro-batch."""
+    args: tuple  # (input_ids, attention_mask, position_ids): [n, T] padded, or [1, L] packed
+    lay: A.Layout  # who attends to whom, built from host lengths (the model reads no mask values)
+    keep: object  # logits_to_keep: R + 1 (padded: the last R + 1 positions), or the packed positions [n R]
+    rows: torch.Tensor  # the micro-batch's rows of the batch, on the device
+    index: torch.Tensor | None = None  # packed: the position predicting each response token [n, R]
+
+
+def micro_batch(batch, rows, spec: Batching, host):
+    """The micro-batch `rows` (host ints) of `batch` and its model inputs, with its packing metadata
+    built on the host from `host` (the batch's host_mask) and sent in one copy: no device read.
+
+    Packed: one row of the real tokens (sequence ids 1, 2, 3, ... for the model's attention,
+    positions restarting at 0 for each); `index` [n, R] is the packed position whose output predicts
+    each response token (0 where the response is padding: garbage that the response mask hides)."""
+    device = batch["responses"].device
+    m = host[rows]
+    n, T = m.shape
+    R = batch["responses"].shape[1]
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    if not spec.packed:
+        (rows_d,) = send([rows_t], device)
+        mb = take(batch, rows_d)
+        lay = A.Layout("causal") if bool((m == 1).all()) else A.Layout("padded", mask=A.padded_mask(mb["attention_mask"]))
+        return mb, ModelInputs((mb["sequences"], mb["attention_mask"], mb["position_ids"]), lay, R + 1, rows_d)
+    real = m > 0
+    lengths = real.sum(-1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    flat = (torch.arange(n)[:, None] * T + torch.arange(T))[real]  # where each real token sits in [n, T]
+    doc = torch.repeat_interleave(torch.arange(1, n + 1), lengths)
+    pos = torch.arange(len(flat)) - torch.repeat_interleave(starts, lengths)
+    index = starts[:, None] + real[:, :T - R].sum(-1)[:, None] + torch.arange(R)[None] - 1
+    docs = lengths.tolist()
+    pad = (-len(flat)) % spec.bucket if spec.bucket else 0
+    if pad:  # a filler document of `pad` tokens (token 0 of the row, attending only to itself), never read
+        flat, doc = torch.cat([flat, flat.new_zeros(pad)]), torch.cat([doc, doc.new_full((pad,), n + 1)])
+        pos, docs = torch.cat([pos, torch.arange(pad)]), docs + [pad]
+    cu = torch.tensor([0] + docs).cumsum(0)
+    rows_d, flat_d, doc_d, pos_d, index_d, cu_d = send([rows_t, flat, doc, pos, index, cu], device)
+    mb = take(batch, rows_d)
+    index_d = index_d * mb["response_mask"]
+    seq_ids = doc_d[None]
+    # one document is a causal row, as A.layout would find it
+    lay = A.Layout("causal") if len(docs) == 1 else A.packed_layout(docs, seq_ids, cu_d.to(torch.int32))
+    ids = mb["sequences"].reshape(-1)[flat_d][None]
+    return mb, ModelInputs((ids, seq_ids, pos_d[None]), lay, index_d.flatten(), rows_d, index_d)

@@ -103,10 +103,10 @@ def update_policy(actor, opt, batch, a, temperature, *, mini_size, spec, generat
     `beta` is the KL coefficient (algorithm.kl_ctrl). Returns lists of per-mini-batch metrics."""
     loss_type = {"dpo": "sigmoid", "ipo": "ipo"}[a.loss_mode]
 
-    def micro_loss(mb, norm):  # norm: the mini-batch's responses over all ranks, so the loss is a mean over pairs
+    def micro_loss(mb, inputs, norm):  # norm: the mini-batch's responses over all ranks: a mean over pairs
         mask = mb["response_mask"]
         with autocast(mask.device):
-            logits = response_logits(actor, mb, temperature, spec.packed)
+            logits = response_logits(actor, mb, temperature, spec.packed, inputs=inputs)
         seq = sequence_log_probs(logprobs_from_logits(logits, mb["responses"]), mask)
         ref = sequence_log_probs(mb["ref_log_probs"], mask)
         losses, m = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta, loss_type)

@@ -1,4 +1,5 @@
-"""Speed, not concept: the fused rollout copy of the decoder (nanokl/model.py).
+"""Speed, not concept: the fused rollout copy of the decoder (nanokl/model.py), and log-probs and
+entropy from the last hidden state in chunks, never the whole [tokens, V] logits.
 
 Why it exists
 -------------
@@ -38,11 +39,44 @@ Tests: tests/test_fused.py (same names, shapes and logits as the unfused model, 
 through the cache, <= 1e-5 fp32; weights copied in by name reach the fused matrices),
 tests/test_decode_ops.py (the kernel budget), tests/test_rollout_graphs.py (the fused copy under
 the graph engine).
+
+Chunked log-probs and entropy (`chunked_log_probs`)
+---------------------------------------------------
+Training needs one number per response token, its log-prob z_y - logsumexp(z), and its entropy
+logsumexp(z) - sum softmax(z) z, yet the plain path (workers.response_logits, then
+ppo.logprobs_from_logits and ppo.entropy_from_logits) first builds the logits of every token,
+[tokens, V], in fp32: with Qwen's V = 151,936, 16k tokens are 10 GB, and autograd keeps that tensor
+and its softmax until the backward. `chunked_log_probs` takes the last (normed) hidden state and the
+LM head's weight instead and walks the rows `chunk` at a time: it makes a chunk's logits exactly as
+the model's head would (the matmul under whatever autocast is on, then fp32, over the temperature),
+reduces them to the two numbers and drops them. Only hidden, weight and labels are saved.
+
+The backward recomputes each chunk's logits (one more matmul: flops traded for memory). With
+p = softmax(z), l = z_y - lse and H = lse - sum_k p_k z_k,
+    dl/dz_j = 1[j = y] - p_j,        dH/dz_j = -p_j (z_j - E_p[z]),
+so with g_l and g_H the incoming gradients of a row,
+    dL/dz = g_l (onehot(y) - p) - g_H p (z - E_p[z])        (an unused output's term is skipped),
+divided by the temperature, and then, as for any linear layer, dL/dh = dz W and
+dL/dW = sum over chunks of dz^T h, summed in fp32. Under autocast the backward re-enters the
+forward's autocast, so its matmuls run in the precision the LM head's own backward would use.
+
+Memory: O(chunk x V) for the logits at any moment (a few such tensors: z, p, their product) plus
+tensors the size of the inputs and their gradients ([N, H], [V, H]); never [N, V]. Chunk boundaries
+come from shapes, so there is no host sync and no data-dependent Python branch: it runs under
+torch.cuda.set_sync_debug_mode("error") and on the meta device.
+
+Tests: tests/test_fused_logprobs.py (values and gradients equal the plain path's, float64 to 1e-10
+plus gradcheck, float32 to 1e-5, bf16 autocast loosely; no tensor above chunk x V elements in the
+forward or the backward, while the plain path makes N x V; the meta device; chunk and temperature
+edge cases).
 """
+
+import contextlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from nanokl import model as M
 
@@ -132,3 +166,89 @@ class FusedDecoderLayer(M.DecoderLayer):
     def forward(self, x, rope, lay, kv=None, cache_positions=None):
         x = self.self_attn(self.input_layernorm(x), rope, lay, kv, cache_positions, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked log-probs and entropy from the last hidden state (see the module docstring)
+
+
+def chunked_log_probs(hidden, weight, labels, temperature=1.0, chunk=1024, with_entropy=True):
+    """hidden [..., H] (final normed hidden states at the positions that predict each label), weight [V, H]
+    (the LM head), labels [...] long -> (log_probs [...] fp32, entropy [...] fp32, or None without entropy).
+    Differentiable w.r.t. hidden and weight (through both outputs). fp64 inputs give fp64 outputs.
+    The logits exist `chunk` rows at a time (None: all rows at once)."""
+    assert hidden.shape[:-1] == labels.shape, (hidden.shape, labels.shape)
+    assert chunk is None or chunk > 0, chunk
+    lp, ent = _ChunkedLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                     temperature, chunk, with_entropy)
+    return lp.view(labels.shape), None if ent is None else ent.view(labels.shape)
+
+
+def _row_chunks(n, chunk):
+    """Slices of at most `chunk` rows covering range(n), from shapes only; n = 0 gives one empty slice."""
+    step = max(1, n if chunk is None else min(chunk, n))
+    return [slice(s, s + step) for s in range(0, max(n, 1), step)]
+
+
+def _chunk_logits(h, weight, temperature):
+    """A chunk's logits as the trainer uses them: the LM head's matmul (bf16 under a bf16 autocast, as the
+    model's head would run), then at least fp32, over the temperature."""
+    z = F.linear(h, weight)
+    return z.to(torch.promote_types(z.dtype, torch.float32)).div_(temperature)  # a fresh tensor: in place is safe
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, chunk, with_entropy):
+        device = hidden.device.type  # the meta device has no autocast at all
+        ctx.autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        ctx.autocast_dtype = torch.get_autocast_dtype(device) if ctx.autocast else None
+        ctx.device, ctx.temperature, ctx.chunk = device, temperature, chunk
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: its terms are skipped
+        lps, ents = [], []
+        for rows in _row_chunks(hidden.shape[0], chunk):
+            z = _chunk_logits(hidden[rows], weight, temperature)
+            lse = torch.logsumexp(z, -1)
+            lps.append(z.gather(-1, labels[rows, None])[:, 0] - lse)
+            if with_entropy:
+                ents.append(lse - (torch.softmax(z, -1) * z).sum(-1))
+        ctx.save_for_backward(hidden, weight, labels)  # never a chunk's logits: the backward remakes them
+        return torch.cat(lps), torch.cat(ents) if with_entropy else None
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, labels = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if g_lp is None and g_ent is None:  # autograd may ask for a gradient that neither output carries
+            return None, None, None, None, None, None
+        T = ctx.temperature
+        # The matmuls of the backward run in the dtype of the forward's (the LM head's own backward would).
+        mm_dtype = ctx.autocast_dtype if ctx.autocast else weight.dtype
+        grad_h = torch.empty_like(hidden) if need_h else None  # every row is written below
+        grad_w = (torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                              device=weight.device) if need_w else None)
+        same_autocast = (torch.autocast(ctx.device, dtype=ctx.autocast_dtype) if ctx.autocast
+                         else contextlib.nullcontext())
+        with same_autocast:
+            for rows in _row_chunks(hidden.shape[0], ctx.chunk):
+                h, y = hidden[rows], labels[rows, None]
+                z = _chunk_logits(h, weight, T)
+                p = torch.softmax(z, -1)
+                # dL/dz_j = g_lp (1[j=y] - p_j) - g_ent p_j (z_j - E_p[z])
+                #         = 1[j=y] g_lp - p_j (g_lp + g_ent (z_j - E_p[z]))
+                if g_ent is not None:
+                    s = z.sub_((p * z).sum(-1, keepdim=True)).mul_(g_ent[rows, None])  # in z's memory
+                    if g_lp is not None:
+                        s.add_(g_lp[rows, None])
+                else:
+                    s = g_lp[rows, None]
+                dz = p.mul_(s).neg_()  # in p's memory
+                if g_lp is not None:
+                    dz.scatter_add_(-1, y, g_lp[rows, None])
+                dz = dz.div_(T).to(mm_dtype)  # z = (h W^T) / T
+                if need_h:
+                    grad_h[rows] = dz @ weight
+                if need_w:
+                    grad_w += dz.t() @ h  # each chunk's product in mm_dtype, their sum in fp32
+        return grad_h, grad_w.to(weight.dtype) if need_w else None, None, None, None, None

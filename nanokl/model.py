@@ -277,7 +277,7 @@ class Decoder(nn.Module):
         # Recomputed from the config (not saved): a non-persistent buffer follows .to(device).
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, cache_positions=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, cache_positions=None, lay=None):
         B, T = input_ids.shape
         dev = input_ids.device
         if position_ids is None:
@@ -294,7 +294,7 @@ class Decoder(nn.Module):
             else:
                 cache.valid.index_copy_(1, cache_positions, attention_mask > 0)
             lay = A.cache_layout(cache.valid, cache_positions)
-        else:
+        elif lay is None:  # a training forward passes the layout it built on the host (nanokl/batching.py)
             lay = A.layout(attention_mask) if attention_mask is not None else A.Layout("causal")
 
         for i, layer in enumerate(self.layers):
@@ -323,15 +323,21 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None,
-                cache_positions=None, logits_to_keep=0, return_hidden=False):
+                cache_positions=None, logits_to_keep=0, return_hidden=False, lay=None, head=None):
         """Logits [B, T, V]; of the last `logits_to_keep` positions when it is an int > 0, or of the
         positions it lists when it is a 1-D index tensor (as in transformers). With `return_hidden`,
-        also the final normed hidden states [B, T, H]. See the module docstring for the cache."""
-        h = self.model(input_ids, attention_mask, position_ids, cache, cache_positions)
-        if isinstance(logits_to_keep, torch.Tensor):
-            logits = self.lm_head(h[:, logits_to_keep])
-        else:
-            logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        also the final normed hidden states [B, T, H]. See the module docstring for the cache.
+
+        `lay`: the attention layout, when the caller built it (a training forward, from lengths it
+        knows on the host: no device read). `head(hidden, weight)`: replaces the LM head on the kept
+        positions and its result is returned (nanokl/fused.py's chunked log-probs: the [T, V] logits
+        are never whole); it runs inside this forward, where a sharded model's weights are gathered."""
+        h = self.model(input_ids, attention_mask, position_ids, cache, cache_positions, lay=lay)
+        kept = h[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else \
+            h[:, -logits_to_keep:] if logits_to_keep else h
+        if head is not None:
+            return head(kept, self.lm_head.weight)
+        logits = self.lm_head(kept)
         return (logits, h) if return_hidden else logits
 
 
@@ -345,8 +351,8 @@ class ValueModel(nn.Module):
         self.model = Decoder(cfg)
         self.score = nn.Linear(cfg.hidden_size, 1)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        return self.score(self.model(input_ids, attention_mask, position_ids)).squeeze(-1)
+    def forward(self, input_ids, attention_mask=None, position_ids=None, lay=None):
+        return self.score(self.model(input_ids, attention_mask, position_ids, lay=lay)).squeeze(-1)
 
 
 def init_weights(model: nn.Module, std=0.02):

@@ -45,12 +45,14 @@ loss at 17.4 GB. A smaller micro-batch (or token budget) is the knob: every figu
 """
 
 import contextlib
+import math
 from collections import defaultdict
 
 import torch
 
 from nanokl import dist
-from nanokl.batching import Batching, pack, split
+from nanokl.batching import Batching, host_mask, micro_batch, send, split
+from nanokl.fused import chunked_log_probs
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean, zero_masked
 from nanokl.ppo import POLICY_LOSSES, agg_loss, compute_value_loss, entropy_from_logits, logprobs_from_logits, \
@@ -77,36 +79,51 @@ def rollout_batch(out) -> dict:
             "responses": out.responses, "response_mask": out.response_mask}
 
 
-def take(batch: dict, idx) -> dict:
-    """The rows `idx` of every [N, ...] tensor of a batch (an absent entry, None, stays None)."""
-    idx = torch.as_tensor(idx, dtype=torch.long, device=batch["responses"].device)
-    return {k: None if v is None else v[idx] for k, v in batch.items()}
-
-
 def agreed_count(count):
     """The micro-batch count every rank uses: the largest any rank needs."""
     return dist.all_reduce(torch.tensor(count), op="max").item()
 
 
-def response_logits(model, mb, temperature, packed=False):
+def _inputs(mb, packed, inputs):
+    """A micro-batch's model inputs: the loops pass the ones they built (nanokl/batching.py); a caller
+    outside them (a test, a benchmark) gets them built here, reading the mask from the device."""
+    if inputs is not None:
+        return inputs
+    return micro_batch(mb, list(range(len(mb["responses"]))), Batching(packed=packed), host_mask(mb))[1]
+
+
+def response_logits(model, mb, temperature, packed=False, inputs=None):
     """Logits that predict each response token, fp32, divided by the temperature: [n, R, V].
     Only those positions go through the LM head (`logits_to_keep`)."""
-    R = mb["responses"].shape[1]
-    if packed:
-        ids, seq_ids, pos, index = pack(mb)
-        logits = model(ids, seq_ids, pos, logits_to_keep=index.flatten())[0].view(*index.shape, -1)
-    else:
-        logits = model(mb["sequences"], mb["attention_mask"], mb["position_ids"], logits_to_keep=R + 1)[:, :-1]
+    inputs = _inputs(mb, packed, inputs)
+    out = model(*inputs.args, logits_to_keep=inputs.keep, lay=inputs.lay)
+    logits = out[0].view(*inputs.index.shape, -1) if inputs.index is not None else out[:, :-1]
     return logits.float() / temperature
 
 
-def critic_values(critic, mb, packed=False):
+def response_log_probs(model, mb, temperature, spec, inputs=None, with_entropy=False):
+    """(log π of each response token [n, R], the entropy at each position [n, R] or None, the logits
+    [n, R, V] or None), fp32 at `temperature`. With `spec.chunk` the LM head runs chunk by chunk from the
+    hidden states (nanokl/fused.py): no logits are returned, since none ever existed whole."""
+    inputs = _inputs(mb, spec.packed, inputs)
+    labels = mb["responses"]
+    if spec.chunk:
+        def head(h, weight):  # the kept positions' hidden states: [n, R + 1, H] padded, [1, n R, H] packed
+            h = h[:, :-1] if inputs.index is None else h.view(*labels.shape, -1)
+            return chunked_log_probs(h, weight, labels, temperature, spec.chunk, with_entropy)
+        logp, entropy = model(*inputs.args, logits_to_keep=inputs.keep, lay=inputs.lay, head=head)
+        return logp, entropy, None
+    logits = response_logits(model, mb, temperature, inputs=inputs)
+    return logprobs_from_logits(logits, labels), entropy_from_logits(logits) if with_entropy else None, logits
+
+
+def critic_values(critic, mb, inputs):
     """V(s_t) for each response token t: the critic's output at the position before it, [n, R]."""
-    if packed:
-        ids, seq_ids, pos, index = pack(mb)
-        return critic(ids, seq_ids, pos)[0][index].float()
+    out = critic(*inputs.args, lay=inputs.lay)
+    if inputs.index is not None:
+        return out[0][inputs.index].float()
     R = mb["responses"].shape[1]
-    return critic(mb["sequences"], mb["attention_mask"], mb["position_ids"])[:, -R - 1:-1].float()
+    return out[:, -R - 1:-1].float()
 
 
 def rollout_log_probs_are_old(mode, same_numerics, do_sample, temperature) -> bool:
@@ -128,10 +145,12 @@ def rollout_log_probs_are_old(mode, same_numerics, do_sample, temperature) -> bo
 
 
 def forward_micro_batches(batch, spec):
-    """(rows, sub-batch) of each non-empty micro-batch of a no-grad forward pass."""
-    for rows in split(batch, spec, agreed_count):
+    """(micro-batch, its model inputs) of each non-empty micro-batch of a no-grad forward pass; the
+    mask is read from the device once, here, before the loop."""
+    host = host_mask(batch)
+    for rows in split(host, spec, agreed_count):
         if rows:
-            yield rows, take(batch, rows)
+            yield micro_batch(batch, rows, spec, host)
 
 
 @torch.no_grad()
@@ -141,13 +160,13 @@ def compute_log_probs(model, batch, temperature, spec=Batching(), with_entropy=F
     mask = batch["response_mask"]
     logp = torch.zeros(mask.shape, device=mask.device)
     ent = torch.zeros(mask.shape, device=mask.device) if with_entropy else None
-    for rows, mb in forward_micro_batches(batch, spec):
+    for mb, inputs in forward_micro_batches(batch, spec):
         with autocast(mask.device):
-            logits = response_logits(model, mb, temperature, spec.packed)
-        logp[rows] = logprobs_from_logits(logits, mb["responses"])
+            lp, e, logits = response_log_probs(model, mb, temperature, spec, inputs, with_entropy)
+        logp[inputs.rows] = lp
         if with_entropy:
-            ent[rows] = entropy_from_logits(logits)
-        del logits  # else the [n, R, V] logits stay alive through the next micro-batch's forward
+            ent[inputs.rows] = e
+        del logits, lp, e  # else the [n, R, V] logits stay alive through the next micro-batch's forward
     return logp, ent
 
 
@@ -163,11 +182,11 @@ def compute_full_kl(actor, ref, batch, temperature, spec=Batching()):
     actor, ref = dist.unwrap(actor), dist.unwrap(ref)
     mask = batch["response_mask"]
     out = torch.zeros(mask.shape, device=mask.device)
-    for rows, mb in forward_micro_batches(batch, spec):
+    for mb, inputs in forward_micro_batches(batch, spec):
         with autocast(mask.device):
-            logits = response_logits(actor, mb, temperature, spec.packed)
-            ref_logits = response_logits(ref, mb, temperature, spec.packed)
-        out[rows] = zero_masked(kl_penalty(None, None, "full", logits, ref_logits), mb["response_mask"])
+            logits = response_logits(actor, mb, temperature, inputs=inputs)
+            ref_logits = response_logits(ref, mb, temperature, inputs=inputs)
+        out[inputs.rows] = zero_masked(kl_penalty(None, None, "full", logits, ref_logits), mb["response_mask"])
         del logits, ref_logits  # else they stay alive through the next micro-batch's forwards
     return out
 
@@ -177,9 +196,9 @@ def compute_values(critic, batch, spec=Batching()):
     """V(s_t) of each response token under the critic: [N, R]."""
     critic = dist.unwrap(critic)
     out = torch.zeros(batch["response_mask"].shape, device=batch["responses"].device)
-    for rows, mb in forward_micro_batches(batch, spec):
+    for mb, inputs in forward_micro_batches(batch, spec):
         with autocast(out.device):
-            out[rows] = critic_values(critic, mb, spec.packed)
+            out[inputs.rows] = critic_values(critic, mb, inputs)
     return out
 
 
@@ -194,17 +213,27 @@ def _minibatches(n, mini_size, epochs, shuffle, generator):
         yield from order.split(mini_size)
 
 
-def _step(model, opt, grad_clip, finite, metrics, prefix):
-    """Clip and apply the accumulated gradient, or drop it when anything was not finite."""
+def _step(model, opt, grad_clip, finite, sums, means, metrics, prefix):
+    """Clip the accumulated gradient, then read the host's one look at the mini-batch: whether every
+    loss and the gradient were finite, the gradient norm and the metrics, in one copy. Apply the
+    gradient, or drop it when anything was not finite."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over all shards
         grad_norm = grad_norm.full_tensor()
-    if finite and torch.isfinite(grad_norm):
+    keys = list(sums) + list(means)
+    dev = finite.device
+    finite = dist.all_reduce(finite.float(), op="min")
+    total = dist.all_reduce(torch.stack([torch.as_tensor((sums | means)[k], device=dev).float() for k in keys])) \
+        if keys else finite.new_zeros(0)
+    read = torch.cat([torch.stack([finite, grad_norm.float().to(dev)]), total]).tolist()  # the one host read
+    if read[0] == 1.0 and math.isfinite(read[1]):
         opt.step()
-        metrics[f"{prefix}/grad_norm"].append(grad_norm.item())
+        metrics[f"{prefix}/grad_norm"].append(read[1])
     else:
         metrics[f"{prefix}/nan_skipped"].append(1.0)
     opt.zero_grad(set_to_none=True)
+    for k, v in zip(keys, read[2:]):
+        metrics[k].append(v)
 
 
 def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, mode, micro_loss, prefix,
@@ -213,43 +242,41 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
     responses (this rank's share), each cut into micro-batches (`spec`) whose gradients accumulate
     before one optimizer step.
 
-    `micro_loss(mb, norm)` returns (loss, sums, means): the micro-batch's share of the mini-batch
-    loss, aggregated with the *global* mini-batch denominator `norm` (all ranks' tokens or
+    `micro_loss(mb, inputs, norm)` returns (loss, sums, means): the micro-batch's share of the
+    mini-batch loss, aggregated with the *global* mini-batch denominator `norm` (all ranks' tokens or
     sequences), metrics that add up over micro-batches and ranks (the loss terms), and metrics
-    averaged with token weights (fractions). DDP and FSDP average gradients over the W ranks, so
-    the loss is scaled by W: the applied gradient is then exactly the global mini-batch gradient.
-    A non-finite loss or gradient anywhere skips the step on every rank alike."""
+    averaged with token weights (fractions); `inputs` are its model inputs (nanokl/batching.py).
+    DDP and FSDP average gradients over the W ranks, so the loss is scaled by W: the applied gradient
+    is then exactly the global mini-batch gradient. A non-finite loss or gradient anywhere skips the
+    step on every rank alike.
+
+    The host never waits inside the micro-batch loop: the mask is read once for the whole update, the
+    finiteness and the metrics stay tensors until the mini-batch's one read (`_step`)."""
     metrics = defaultdict(list)
     W = dist.world()
+    host = host_mask(batch)
     for idx in _minibatches(len(batch["responses"]), mini_size, epochs, shuffle, generator):
-        mb_all = take(batch, idx)
-        mask_all = mb_all["response_mask"]
+        idx = idx.tolist()
+        (idx_d,) = send([torch.tensor(idx)], batch["responses"].device)
+        mask_all = batch["response_mask"][idx_d]
         norm, tokens = dist.all_reduce(torch.stack([loss_norm(mask_all, mode), mask_all.sum().float()]))  # one collective
         norm, tokens = norm.clamp(min=1), tokens.clamp(min=1)  # no real token (all rejected: rollout_rs): a loss of 0
-        groups = split(mb_all, spec, agreed_count)
-        finite, sums, means = True, defaultdict(float), defaultdict(float)
+        groups = split(host[idx], spec, agreed_count)
+        finite, sums, means = None, defaultdict(float), defaultdict(float)
         for j, rows in enumerate(groups):
-            if rows:
-                mb = take(mb_all, rows)
-            else:  # this rank has fewer sequences than the agreed micro-batch count: a masked-out row
-                mb = take(mb_all, [0])  # still runs forward and backward, so the collectives match
-                mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+            mb, inputs = micro_batch(batch, [idx[i] for i in rows] or idx[:1], spec, host)
+            if not rows:  # this rank has fewer sequences than the agreed micro-batch count: a masked-out row
+                mb["response_mask"] = torch.zeros_like(mb["response_mask"])  # still runs, so the collectives match
             with dist.no_sync(model, skip=j < len(groups) - 1):
-                loss, s, m = micro_loss(mb, norm)
+                loss, s, m = micro_loss(mb, inputs, norm)
                 (loss * W).backward()
-            finite = finite and bool(torch.isfinite(loss))
+            finite = torch.isfinite(loss) if finite is None else finite & torch.isfinite(loss)
             share = mb["response_mask"].sum() / tokens  # this micro-batch's share of all ranks' tokens
             for k, v in s.items():
                 sums[k] += v
             for k, v in m.items():
                 means[k] += v * share
-        finite = bool(dist.all_reduce(torch.tensor(float(finite)), op="min"))
-        _step(model, opt, grad_clip, finite, metrics, prefix)
-        keys = list(sums) + list(means)
-        if keys:
-            total = dist.all_reduce(torch.stack([torch.as_tensor((sums | means)[k]).float().cpu() for k in keys]))
-            for k, v in zip(keys, total.tolist()):
-                metrics[k].append(v)
+        _step(model, opt, grad_clip, finite, sums, means, metrics, prefix)
     return metrics
 
 
@@ -273,24 +300,26 @@ def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(
         kl_loss = exact_kl_loss(ref, temperature, spec, mode, horizon) if a.kl_loss_type == "full" else \
             sampled_kl_loss(a.kl_loss_type, mode, horizon)
     first_pass = FirstPassEntropy(batch) if record_entropy else None
-    if first_pass is not None:
-        batch = {**batch, "row": first_pass.rows}
+    want_entropy = bool(a.entropy_coeff) or first_pass is not None
 
-    def micro_loss(mb, norm):
+    def micro_loss(mb, inputs, norm):
         mask = mb["response_mask"]
         with autocast(mask.device):
-            logits = response_logits(actor, mb, temperature, spec.packed)
-        logp = logprobs_from_logits(logits, mb["responses"])
+            logp, entropy, logits = response_log_probs(actor, mb, temperature, spec, inputs,
+                                                       with_entropy=want_entropy and bool(spec.chunk))
+        if logits is not None and want_entropy:
+            with torch.set_grad_enabled(bool(a.entropy_coeff) and torch.is_grad_enabled()):  # a record needs none
+                entropy = entropy_from_logits(logits)
         if first_pass is not None:
-            first_pass.record(mb["row"], logits)
+            first_pass.record(inputs.rows, entropy.detach())
         pg_loss, m = policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, a.clip_ratio_low,
                                  a.clip_ratio_high, a.clip_ratio_c, mode, global_norm=norm, horizon=horizon,
                                  is_weights=mb.get("is_weights"))
         loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}
         if a.entropy_coeff:
-            loss = loss - a.entropy_coeff * agg_loss(entropy_from_logits(logits), mask, mode, norm, horizon)
+            loss = loss - a.entropy_coeff * agg_loss(entropy, mask, mode, norm, horizon)
         if kl_loss is not None:
-            kl, kl_sums = kl_loss(mb, logits, logp, norm)
+            kl, kl_sums = kl_loss(mb, inputs, logits, logp, norm)
             loss = loss + kl_loss_coef * kl
             sums.update(kl_sums)
         means = {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
@@ -310,8 +339,8 @@ def _weighted(kl_mat, mb):
 
 def sampled_kl_loss(kind, mode, horizon):
     """The KL loss from the sampled tokens' log-probs (verl's use_kl_loss with kl_loss_type `kind`):
-    (mb, logits, logp, norm) -> (aggregated loss, its metric)."""
-    def kl_loss(mb, logits, logp, norm):
+    (mb, inputs, logits, logp, norm) -> (aggregated loss, its metric)."""
+    def kl_loss(mb, inputs, logits, logp, norm):
         loss = agg_loss(_weighted(kl_penalty(logp, mb["ref_log_probs"], kind), mb), mb["response_mask"], mode, norm,
                         horizon)
         return loss, {"actor/kl_loss": loss.detach()}
@@ -326,12 +355,12 @@ def exact_kl_loss(ref, temperature, spec, mode, horizon):
         raise ValueError("kl_loss_type='full' needs the reference model: update_actor(..., ref=ref)")
     ref = dist.unwrap(ref)
 
-    def kl_loss(mb, logits, logp, norm):
+    def kl_loss(mb, inputs, logits, logp, norm):
         mask = mb["response_mask"]
         sums = {}
         with torch.no_grad():
             with autocast(mask.device):
-                ref_logits = response_logits(ref, mb, temperature, spec.packed)
+                ref_logits = response_logits(ref, mb, temperature, inputs=inputs)
             # log π_ref of the sampled tokens from these very logits, so k1/k3 and `full` share every number
             ref_logp = logprobs_from_logits(ref_logits, mb["responses"])
             for k in ("k1", "k3"):
@@ -344,23 +373,18 @@ def exact_kl_loss(ref, temperature, spec, mode, horizon):
 
 
 class FirstPassEntropy:
-    """The entropy of each response token from the logits of the first pass over its row (no
-    gradient). With one mini-batch per step that is π_old's entropy exactly; later mini-batches see
-    the policy after the earlier optimizer steps."""
+    """The entropy of each response token from the first pass over its row (no gradient). With one
+    mini-batch per step that is π_old's entropy exactly; later mini-batches see the policy after the
+    earlier optimizer steps. Recorded without a host read: a row seen before keeps its entropy."""
 
     def __init__(self, batch):
         mask = batch["response_mask"]
-        self.rows = torch.arange(len(mask), device=mask.device)
         self.entropy = torch.zeros(mask.shape, device=mask.device)
         self.seen = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
 
     @torch.no_grad()
-    def record(self, rows, logits):
-        fresh = ~self.seen[rows]
-        if fresh.all():
-            self.entropy[rows] = entropy_from_logits(logits)
-        elif fresh.any():
-            self.entropy[rows[fresh]] = entropy_from_logits(logits[fresh])
+    def record(self, rows, entropy):
+        self.entropy[rows] = torch.where(self.seen[rows, None], self.entropy[rows], entropy)
         self.seen[rows] = True
 
 
@@ -368,10 +392,10 @@ def update_critic(critic, opt, batch, c, *, mini_size, spec=Batching(), generato
     """PPO epochs over the batch with the clipped value loss; `c` is the config's critic."""
     mode = c.loss_agg_mode
 
-    def micro_loss(mb, norm):
+    def micro_loss(mb, inputs, norm):
         mask = mb["response_mask"]
         with autocast(mb["sequences"].device):
-            vpreds = critic_values(critic, mb, spec.packed)
+            vpreds = critic_values(critic, mb, inputs)
         loss, m = compute_value_loss(vpreds, mb["returns"], mb["values"], mask, c.cliprange_value, mode,
                                      global_norm=norm, horizon=horizon)
         means = {"critic/vf_clipfrac": m["vf_clipfrac"], "critic/vpred_mean": masked_mean(vpreds.detach(), mask)}

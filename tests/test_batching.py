@@ -13,7 +13,7 @@ import torch
 
 from nanokl import workers as W
 from nanokl import model as M
-from nanokl.batching import Batching, balanced_partition, pack, split, token_budget_micro_batches
+from nanokl.batching import Batching, balanced_partition, micro_batch, split, token_budget_micro_batches
 from nanokl.rollout import generate
 
 
@@ -79,7 +79,8 @@ def test_packed_log_probs_and_values_equal_padded():
     v_packed = W.compute_values(critic, batch, Batching(token_budget=25, packed=True))
     assert (v_packed - v_pad)[rm].abs().max() <= 1e-5
     # the packed row really holds only real tokens, with positions restarting per sequence
-    ids_p, seq_ids, pos, _ = pack(batch)
+    _, inputs = micro_batch(batch, list(range(7)), Batching(packed=True), batch["attention_mask"])
+    ids_p, seq_ids, pos = inputs.args
     assert ids_p.shape[1] == int(out.attention_mask.sum())
     first = torch.cat([torch.tensor([True]), seq_ids[0].diff() != 0])
     assert (pos[0][first] == 0).all() and int(first.sum()) == 7
@@ -87,7 +88,8 @@ def test_packed_log_probs_and_values_equal_padded():
 
 def test_split_modes():
     batch = {"responses": torch.zeros(10, 4), "attention_mask": torch.ones(10, 12)}
-    assert split(batch, Batching(micro_size=4)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert split(batch, Batching()) == [list(range(10))]
-    bins = split(batch, Batching(token_budget=36), agree=lambda k: k + 1)  # another rank needs one more
+    mask = batch["attention_mask"]
+    assert split(mask, Batching(micro_size=4)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert split(mask, Batching()) == [list(range(10))]
+    bins = split(mask, Batching(token_budget=36), agree=lambda k: k + 1)  # another rank needs one more
     assert len(bins) == 5 and all(len(b) * 12 <= 36 for b in bins)

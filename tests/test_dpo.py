@@ -182,7 +182,7 @@ def test_update_gradient_equals_float64_per_pair_formula(loss_type, fp32_logits,
     if fp32_logits:  # fp32, as the step computes them
         batch["ref_log_probs"], _ = compute_log_probs(ref, batch, T)
     else:  # float64 everywhere: response_logits' slicing without its fp32 cast, float64 reference log-probs
-        def logits64(model, mb, temperature, packed=False):
+        def logits64(model, mb, temperature, packed=False, inputs=None):
             R = mb["responses"].shape[1]
             logits = model(mb["sequences"], mb["attention_mask"], mb["position_ids"], logits_to_keep=R + 1)
             return logits[:, :-1] / temperature
