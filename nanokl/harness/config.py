@@ -101,6 +101,10 @@ class ModelConfig(VerlModelKeys):
     use_remove_padding: bool = False  # pack sequences without pad tokens in training forwards
     enable_gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
     override_config: dict = field(default_factory=dict)  # entries replacing the checkpoint's config.json ones
+    # log-probs and entropy of the actor and the reference chunk by chunk from the last hidden states, never the
+    # whole [tokens, vocab] logits in fp32 (nanokl/fused.py's chunked_log_probs, its own backward)
+    use_fused_kernels: bool = False
+    fused_chunk_size: int = 2048  # nanokl-only: tokens per chunk of those logits (fp32 chunk x vocab x 4 bytes)
 
 
 @dataclass
@@ -138,6 +142,7 @@ class ActorConfig(VerlActorKeys):
     # "dpo" (sigmoid) / "ipo", whose beta is algorithm.kl_ctrl's (nanokl/dpo.py; needs data.offline_files)
     loss_mode: Literal["ppo", "dpo", "ipo"] = "ppo"
     entropy_coeff: float = 0.0  # entropy bonus weight (subtracted from the loss)
+    entropy_from_logits_with_chunking: bool = False  # the actor's passes (update, old log-probs) chunked as use_fused_kernels
     use_kl_loss: bool = False  # add kl_loss_coef * KL(pi || pi_ref) to the loss (GRPO-style)
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_type: str = "low_var_kl"  # estimator for that KL loss (kl.KL_KINDS)

@@ -86,7 +86,7 @@ _RULES = [
       "trainer.n_gpus_per_node", "trainer.nnodes", _A + "ppo_micro_batch_size", _C + "ppo_micro_batch_size",
       "actor_rollout_ref.ref.log_prob_micro_batch_size", _R + "log_prob_micro_batch_size",
       _C + "forward_micro_batch_size", _C + "forward_micro_batch_size_per_gpu", "reward_model.micro_batch_size",
-      _A + "optim.clip_grad", _C + "optim.clip_grad",
+      _A + "optim.clip_grad", _C + "optim.clip_grad", "actor_rollout_ref.model.fused_chunk_size",
       "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep",
       "trainer.log_freq", _M + "kl_high", _M + "kl_var_max", _M + "reward_var_max", _M + "kl_stop",
       _M + "kl_stop_patience", _M + "collapse_kl", _M + "score_window", _M + "rollback_actor_lr",
@@ -216,6 +216,13 @@ def _check_dapo_and_correction(cfg):
         if actor.loss_mode != "ppo":
             raise ConfigError(f"{RC}rollout_rs removes tokens from the PPO loss; {_A}loss_mode={actor.loss_mode} "
                               f"compares whole responses", keys=(RC + "rollout_rs", _A + "loss_mode"))
+    if actor.use_kl_loss and actor.kl_loss_type == "full" and (cfg.actor_rollout_ref.model.use_fused_kernels or
+                                                                 actor.entropy_from_logits_with_chunking):
+        raise ConfigError(f"{_A}kl_loss_type=full needs both models' whole next-token distributions, which the chunked "
+                          f"log-probs never hold; set actor_rollout_ref.model.use_fused_kernels=false and "
+                          f"{_A}entropy_from_logits_with_chunking=false, or another kl_loss_type",
+                          keys=(_A + "kl_loss_type", "actor_rollout_ref.model.use_fused_kernels",
+                                _A + "entropy_from_logits_with_chunking"))
     kp, KP = alg.kl_probe, "algorithm.kl_probe."  # nanokl/kl_probe.py
     if kp.enable and not (kp.every >= 1 and 1 <= kp.prompts <= cfg.data.train_batch_size and 0 < kp.ema <= 1):
         raise ConfigError(f"{KP}every must be >= 1, {KP}prompts in [1, data.train_batch_size = "
@@ -331,8 +338,8 @@ _FSDP = ("nanokl/dist.py wraps each decoder block with FSDP2, fp32 master weight
          "only param_offload and optimizer_offload are its to set")
 _SP = "nanokl has no sequence parallelism: each GPU holds whole sequences (use_dynamic_bsz bounds memory)"
 _COMPILE = "nanokl runs eagerly (CUDA graphs in the rollout only)"
-_ENT = "nanokl computes the entropy from chunks of logits always (nanokl/fused.py)"
-_FUSED = "nanokl computes log-probs and entropy with its own chunked kernel (nanokl/fused.py)"
+_ENT = "nanokl's chunked kernel (use_fused_kernels) recomputes each chunk's logits in backward, always"
+_FUSED = "nanokl has no Liger or Triton kernels; use_fused_kernels chunks the log-probs in plain torch (nanokl/fused.py)"
 _CKPT = "nanokl's checkpoints hold the model, the optimizer and the trainer state, always, written synchronously"
 _VLLM = "nanokl's engine decodes each batch in lockstep; this vLLM scheduler setting has no counterpart"
 _WEIGHTS = "nanokl's rollout takes the actor's weights in place after each update (nanokl/dist.py)"
@@ -360,8 +367,8 @@ VERL_NOTES = {
         "enable_activation_offload": "nanokl keeps activations on the GPU (enable_gradient_checkpointing saves memory)",
         "lora_alpha": _UNUSED.format("lora_rank > 0"), "target_modules": _UNUSED.format("lora_rank > 0"),
         "exclude_modules": _UNUSED.format("lora_rank > 0"), "tiled_mlp": "nanokl's MLP runs untiled",
-        "use_liger": _FUSED, "use_fused_kernels": _FUSED, "fused_kernel_options": _FUSED}.items()
-       if m != "critic.model" or k not in ("exclude_modules", "use_liger", "use_fused_kernels", "fused_kernel_options")},
+        "use_liger": _FUSED, "fused_kernel_options": _FUSED}.items()
+       if m != "critic.model" or k not in ("exclude_modules", "use_liger", "fused_kernel_options")},
     **{f"{p}.fsdp_config.{k}": _FSDP for p in (_A[:-1], _ARR + "ref", "critic.model")
        for k in ("offload_policy", "reshard_after_forward", "fsdp_size", "forward_prefetch", "wrap_policy",
                  "model_dtype", "dtype", "use_orig_params", "use_torch_compile", "ulysses_sequence_parallel_size",
@@ -369,11 +376,12 @@ VERL_NOTES = {
                  "forward_only", "strategy")},
     **{f"{o}.optimizer_impl": "nanokl's optimizer is torch.optim.AdamW" for o in (_A + "optim", _C + "optim")},
     **{f"{p}{k}": v for p in (_A, _ARR + "ref.", _C) for k, v in {
-        "ulysses_sequence_parallel_size": _SP, "use_torch_compile": _COMPILE, "entropy_from_logits_with_chunking": _ENT,
-        "entropy_checkpointing": _ENT, "profiler": _NO_HOOKS, "router_replay": "nanokl's models are dense (no MoE router)",
+        "ulysses_sequence_parallel_size": _SP, "use_torch_compile": _COMPILE,
+        "entropy_from_logits_with_chunking": "the reference computes no entropy", "entropy_checkpointing": _ENT, "profiler": _NO_HOOKS, "router_replay": "nanokl's models are dense (no MoE router)",
         "checkpoint": _CKPT, "data_loader_seed": "nanokl shuffles mini-batches from trainer.seed and the step"}.items()
        if not (p == _C and k in ("use_torch_compile", "entropy_from_logits_with_chunking", "entropy_checkpointing",
                                  "router_replay"))
+       and not (p == _A and k == "entropy_from_logits_with_chunking")
        and not (p == _ARR + "ref." and k in ("checkpoint", "data_loader_seed"))},
     _A + "calculate_entropy": "nanokl computes the entropy every step (actor/entropy)",
     _A + "use_prefix_grouper": "nanokl forwards each response with its own copy of the prompt",

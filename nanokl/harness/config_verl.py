@@ -112,8 +112,7 @@ class VerlModelKeys:
     exclude_modules: Optional[Union[str, list[str]]] = None
     lora_adapter_path: Optional[str] = None  # refused when set
     use_liger: bool = False
-    use_fused_kernels: bool = False
-    fused_kernel_options: dict = _d(impl_backend="torch")
+    fused_kernel_options: dict = _d(impl_backend="torch")  # noted: nanokl's chunked kernel is plain torch
     tiled_mlp: dict = _d(enabled=False, num_shards=4)
     mtp: dict = _d(enable=False)  # refused when enable is true
 
@@ -151,7 +150,6 @@ class VerlActorKeys:
     tau_pos: float = 1.0
     tau_neg: float = 1.05
     freeze_vision_tower: bool = False
-    entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
     calculate_sum_pi_squared: bool = False
     sum_pi_squared_checkpointing: bool = False

@@ -127,15 +127,18 @@ def batching_specs(cfg) -> dict:
     """verl's micro-batch knobs of each forward and update -> how it cuts its batch (batching.py)."""
     arr, c = cfg.actor_rollout_ref, cfg.critic
     a, ro, packed, packed_c = arr.actor, arr.rollout, arr.model.use_remove_padding, c.model.use_remove_padding
+    fused, size = arr.model.use_fused_kernels, arr.model.fused_chunk_size  # the LM head chunked (nanokl/fused.py)
+    actor_chunk = size if fused or a.entropy_from_logits_with_chunking else None
 
-    def spec(micro_size, max_tokens, dynamic, packed):
-        return Batching(micro_size, max_tokens if dynamic else None, packed)
+    def spec(micro_size, max_tokens, dynamic, packed, chunk=None):
+        return Batching(micro_size, max_tokens if dynamic else None, packed, chunk)
     return {
         "old": spec(ro.log_prob_micro_batch_size_per_gpu, ro.log_prob_max_token_len_per_gpu,
-                    ro.log_prob_use_dynamic_bsz, packed),
+                    ro.log_prob_use_dynamic_bsz, packed, actor_chunk),
         "ref": spec(arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_max_token_len_per_gpu,
-                    arr.ref.log_prob_use_dynamic_bsz, packed),
-        "actor": spec(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz, packed),
+                    arr.ref.log_prob_use_dynamic_bsz, packed, size if fused else None),
+        "actor": spec(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu, a.use_dynamic_bsz, packed,
+                      actor_chunk),
         "critic": spec(c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c),
         "values": spec(c.forward_micro_batch_size_per_gpu or c.ppo_micro_batch_size_per_gpu,
                        c.forward_max_token_len_per_gpu, c.use_dynamic_bsz, packed_c),
@@ -197,6 +200,7 @@ def setup(cfg) -> Run:
     critic = None
     if needs_critic:
         critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device, seed=t.seed).train()
+        critic.model.gradient_checkpointing = c.model.enable_gradient_checkpointing  # read nowhere before
     # Rollout reads the policy's whole weights. A plain CPU actor (or a DDP replica) is used as is;
     # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
     # in place after every update, so that its captured CUDA graphs stay valid (nanokl/dist.py).
