@@ -23,7 +23,12 @@ def lr_lambda(optim, total_steps):
 
 
 def make_optimizer(model, optim, total_steps, offload_state=False):
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    params = list(model.parameters())
+    # On CUDA, torch's fused AdamW: one kernel per step for all parameters instead of a dozen per group
+    # (the same update up to float rounding). The CPU keeps the default for-each path, bit for bit as before.
+    fused = bool(params) and all(p.device.type == "cuda" for p in params) or None
+    opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                            fused=fused)
     if offload_state:  # fsdp_config.optimizer_offload alone: the state waits on CPU between steps (nanokl/dist.py)
         dist.offload_optimizer(opt)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
