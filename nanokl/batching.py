@@ -29,6 +29,13 @@ sequence: PyTorch's `varlen_attn` or flash-attention's `flash_attn_varlen_func` 
 choice), a FlexAttention document mask otherwise, and one causal SDPA per sequence on CPU
 (nanokl/attention.py).
 
+Metadata on the host. Which rows go together, where each real token sits in the packed row, the
+position ids, the cumulative lengths and the positions to gather come from the attention mask; on a
+GPU, reading it inside the micro-batch loop would stop the host at every micro-batch (a boolean-mask
+index, `nonzero`, `repeat_interleave` without its output size all wait for the device). So a pass
+reads the mask once (`host_mask`), `micro_batch` computes everything from that CPU copy and `send`s
+it in one pinned, non-blocking copy, and the model receives its attention layout ready-made.
+
 tests/test_batching.py checks that no micro-batch exceeds the budget unless it holds one
 over-long sequence, that the partition is balanced, and that packed log-probs and values equal
 the padded ones (<= 1e-5 fp32).
@@ -80,7 +87,6 @@ class Batching:
     token_budget: int | None = None  # tokens per micro-batch instead (dynamic batch size)
     packed: bool = False  # concatenate real tokens into one row, no padding
     chunk: int | None = None  # tokens per chunk of the LM head's log-probs and entropy; None: whole logits
-    bucket: int | None = None  # a packed row is padded up to a multiple of this (a compiled layer sees few lengths)
 
 
 def host_mask(batch):
@@ -155,10 +161,6 @@ def micro_batch(batch, rows, spec: Batching, host):
     pos = torch.arange(len(flat)) - torch.repeat_interleave(starts, lengths)
     index = starts[:, None] + real[:, :T - R].sum(-1)[:, None] + torch.arange(R)[None] - 1
     docs = lengths.tolist()
-    pad = (-len(flat)) % spec.bucket if spec.bucket else 0
-    if pad:  # a filler document of `pad` tokens (token 0 of the row, attending only to itself), never read
-        flat, doc = torch.cat([flat, flat.new_zeros(pad)]), torch.cat([doc, doc.new_full((pad,), n + 1)])
-        pos, docs = torch.cat([pos, torch.arange(pad)]), docs + [pad]
     cu = torch.tensor([0] + docs).cumsum(0)
     rows_d, flat_d, doc_d, pos_d, index_d, cu_d = send([rows_t, flat, doc, pos, index, cu], device)
     mb = take(batch, rows_d)

@@ -33,6 +33,23 @@ gradient of the mini-batch loss, whatever the micro-batching and the number of r
 mini-batch whose loss or gradient is not finite is skipped (`actor/nan_skipped`); the trainer
 stops after three such steps in a row.
 
+The host never waits inside a micro-batch loop. On a GPU every read of a device value (`.item()`,
+`bool(t)`, `.tolist()`, `nonzero`, a boolean-mask index) stops the host until the GPU has drained
+its queue, and the next kernels are launched only then: the GPU idles for the launch latency of a
+whole micro-batch. So each pass reads the attention mask once (nanokl/batching.py builds every
+micro-batch's lengths, packing and attention layout from that copy on the host), and the update
+keeps its finiteness check and its metrics as tensors until one read per mini-batch, where the
+optimizer step has to know whether to apply the gradient (`_step`). tests/test_update_ops.py counts
+the reads inside the loops on the meta device (where any read of a device value is visible): none.
+
+The LM head. A micro-batch of n tokens makes [n, V] logits, fp32 once divided by the temperature:
+for V = 151,936 that is 0.6 MB a token, and the loss path makes several more of that size. With
+`spec.chunk` (verl's `use_fused_kernels` / `entropy_from_logits_with_chunking`) the log-probs and
+the entropy come from the last hidden states chunk by chunk instead (nanokl/fused.py's
+`chunked_log_probs`, its own backward recomputing each chunk), so no tensor is larger than
+chunk x V fp32 whatever the micro-batch, and the micro-batch can be sized by the activations alone
+(bench/memory.py). The exact KL (`full`) needs both models' whole distributions and keeps the logits.
+
 The exact KL (kind `full`, nanokl/kl.py) needs both models' whole next-token distributions, so
 the reference runs on the same micro-batch and the two [n, R, V] logits are reduced to [n, R]
 before the next micro-batch starts (`compute_full_kl` for the reward; `exact_kl_loss` for the
