@@ -3,7 +3,7 @@
 - Response log-probs equal a per-sequence float64 reference (each row run alone, unpadded).
 - Critic values are read at the positions that precede each response token.
 - For every loss_agg_mode, the gradient accumulated over micro-batches (fixed counts, token budgets,
-  packed or padded) equals the gradient of the whole mini-batch loss computed in one piece (policy
+  packed or padded, the LM head whole or chunked) equals the gradient of the whole mini-batch loss computed in one piece (policy
   loss + KL loss + entropy bonus): elementwise to float error and within 1e-6 relative in norm.
 - The exact KL (`full`): compute_full_kl equals torch's kl_div on each sequence's own float64
   forwards and does not depend on the micro-batching; the micro-batched gradient of the `full` KL
@@ -128,7 +128,9 @@ def test_micro_batched_gradient_equals_the_mini_batch_gradient(mode):
     lengths = batch["attention_mask"].sum(-1)
     specs = [Batching(micro_size=2), Batching(micro_size=4),
              Batching(token_budget=2 * batch["attention_mask"].shape[1]),
-             Batching(token_budget=int(lengths.max()) + 3, packed=True), Batching(packed=True)]
+             Batching(token_budget=int(lengths.max()) + 3, packed=True), Batching(packed=True),
+             # the chunked LM head (nanokl/fused.py) inside the micro-batched loop, padded and packed
+             Batching(micro_size=4, chunk=5), Batching(token_budget=int(lengths.max()) + 3, packed=True, chunk=3)]
     for spec in specs:
         opt = Recorder(m.parameters())
         m.zero_grad()
