@@ -140,6 +140,10 @@ def repeat_kv(x, groups):
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+# torch.compile'd decoder layers (nanokl/model.py's compile_layers) stop here and call it eagerly: its
+# kernels are already fused (SDPA, varlen), and the layout's host lists (lengths) would otherwise be
+# guarded value by value, recompiling for every new packing
+@torch.compiler.disable
 def attend(q, k, v, lay: Layout):
     """softmax(q k^T / sqrt(d) + mask) v for q [B, H, T, d] and k, v [B, n_kv, S, d]: [B, H, T, d]."""
     B, H, T, d = q.shape

@@ -355,6 +355,23 @@ class ValueModel(nn.Module):
         return self.score(self.model(input_ids, attention_mask, position_ids, lay=lay)).squeeze(-1)
 
 
+def compile_layers(model: nn.Module, backend="inductor"):
+    """torch.compile each decoder layer's forward, in place (verl's `use_torch_compile`; the trainer asks
+    for it on CUDA only). What it buys: the layer's elementwise work (RoPE, SiLU x up, residual adds,
+    casts) fused into a few kernels instead of one kernel per op. The forward method is what is
+    compiled, not the module: its hooks (FSDP2's gathers, DDP's) stay eager around the graph. Attention
+    is called eagerly inside it (attention.attend), so a layer is two graphs, before and after it.
+    `dynamic=True` compiles the token dimension symbolically from the first call: packed rows of any
+    length reuse the graphs, no recompile after the first micro-batch of each shape family (one row
+    packed, several rows padded; tests/test_model.py counts them). Every layer shares the graphs, since
+    the parameters are graph inputs. A compiler error falls back to eager with torch's warning."""
+    import torch._dynamo
+    torch._dynamo.config.suppress_errors = True
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
+    return model
+
+
 def init_weights(model: nn.Module, std=0.02):
     """A fresh model as `transformers` initialises one: normal(0, std) matrices, zero biases."""
     for m in model.modules():

@@ -143,6 +143,7 @@ class ActorConfig(VerlActorKeys):
     loss_mode: Literal["ppo", "dpo", "ipo"] = "ppo"
     entropy_coeff: float = 0.0  # entropy bonus weight (subtracted from the loss)
     entropy_from_logits_with_chunking: bool = False  # the actor's passes (update, old log-probs) chunked as use_fused_kernels
+    use_torch_compile: bool = True  # on CUDA, torch.compile each decoder layer of the actor and the critic (model.py)
     use_kl_loss: bool = False  # add kl_loss_coef * KL(pi || pi_ref) to the loss (GRPO-style)
     kl_loss_coef: float = 0.001  # weight of that KL loss
     kl_loss_type: str = "low_var_kl"  # estimator for that KL loss (kl.KL_KINDS)
@@ -161,6 +162,7 @@ class RefConfig(VerlRefKeys):
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # responses per reference forward; None -> all
     log_prob_use_dynamic_bsz: bool = False  # micro-batch the reference forward by tokens
     log_prob_max_token_len_per_gpu: int = 16384  # that token budget, per GPU
+    use_torch_compile: bool = True  # on CUDA, torch.compile each decoder layer of the reference
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (param_offload: nanokl/dist.py)
 
 

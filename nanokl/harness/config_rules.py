@@ -337,7 +337,6 @@ _NO_HOOKS = "nanokl has no profiler or tracing hooks (timing_s/* times each stag
 _FSDP = ("nanokl/dist.py wraps each decoder block with FSDP2, fp32 master weights under bf16 autocast; "
          "only param_offload and optimizer_offload are its to set")
 _SP = "nanokl has no sequence parallelism: each GPU holds whole sequences (use_dynamic_bsz bounds memory)"
-_COMPILE = "nanokl runs eagerly (CUDA graphs in the rollout only)"
 _ENT = "nanokl's chunked kernel (use_fused_kernels) recomputes each chunk's logits in backward, always"
 _FUSED = "nanokl has no Liger or Triton kernels; use_fused_kernels chunks the log-probs in plain torch (nanokl/fused.py)"
 _CKPT = "nanokl's checkpoints hold the model, the optimizer and the trainer state, always, written synchronously"
@@ -376,7 +375,7 @@ VERL_NOTES = {
                  "forward_only", "strategy")},
     **{f"{o}.optimizer_impl": "nanokl's optimizer is torch.optim.AdamW" for o in (_A + "optim", _C + "optim")},
     **{f"{p}{k}": v for p in (_A, _ARR + "ref.", _C) for k, v in {
-        "ulysses_sequence_parallel_size": _SP, "use_torch_compile": _COMPILE,
+        "ulysses_sequence_parallel_size": _SP,
         "entropy_from_logits_with_chunking": "the reference computes no entropy", "entropy_checkpointing": _ENT, "profiler": _NO_HOOKS, "router_replay": "nanokl's models are dense (no MoE router)",
         "checkpoint": _CKPT, "data_loader_seed": "nanokl shuffles mini-batches from trainer.seed and the step"}.items()
        if not (p == _C and k in ("use_torch_compile", "entropy_from_logits_with_chunking", "entropy_checkpointing",

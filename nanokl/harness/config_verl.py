@@ -145,7 +145,6 @@ class VerlActorKeys:
     loss_scale_factor: Optional[float] = None  # refused when set
     calculate_entropy: bool = False
     use_prefix_grouper: bool = False
-    use_torch_compile: bool = True
     data_loader_seed: int = 42
     tau_pos: float = 1.0
     tau_neg: float = 1.05
@@ -162,7 +161,6 @@ class VerlActorKeys:
 class VerlRefKeys:
     log_prob_micro_batch_size: Optional[int] = None  # verl's older global size (mapped, as the actor's)
     ulysses_sequence_parallel_size: int = 1
-    use_torch_compile: bool = True
     entropy_from_logits_with_chunking: bool = False
     entropy_checkpointing: bool = False
     profiler: dict = _d(enable=False)

@@ -72,6 +72,7 @@ from nanokl.harness.world import check_world as _check_world
 from nanokl.kl_ctrl import make_kl_controller, make_kl_loss_controller
 from nanokl.fused import fuse_for_rollout
 from nanokl.graphs import KVBudgetError, make_engine
+from nanokl.model import compile_layers
 from nanokl.tasks import get_task
 from nanokl.workers import rollout_log_probs_are_old
 
@@ -209,6 +210,11 @@ def setup(cfg) -> Run:
     if rollout_copy:
         dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
         rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype).eval().requires_grad_(False))
+    if device.type == "cuda":  # verl's use_torch_compile: each decoder layer compiled (nanokl/model.py); CUDA only
+        for model, on in ((actor, a.use_torch_compile), (ref, arr.ref.use_torch_compile),
+                          (critic, a.use_torch_compile)):
+            if model is not None and on:
+                compile_layers(model)
     # fsdp_config's CPU offload, each (the shards' CPUOffloadPolicy, the optimizer state alone): nanokl/dist.py
     a_off = dist.offload_setting("actor_rollout_ref.actor", a.strategy, device, a.fsdp_config)
     c_off = dist.offload_setting("critic.model", c.strategy, device, c.model.fsdp_config) if needs_critic else (0, 0)
