@@ -15,16 +15,27 @@ CPU). The data are split, the models are not (or are sharded):
   backward and freed after, gradients are reduce-scattered. Memory per GPU: 16/W bytes/parameter
   plus one layer's gathered weights. A `MixedPrecisionPolicy` gathers and computes in `param_dtype`
   (bf16 on CUDA, fp32 on CPU unless asked) and reduces gradients in fp32; the fp32 master weights
-  and Adam's moments stay sharded. The reference model is sharded too.
+  and Adam's moments stay sharded. The reference model is sharded too. At world size 1 the
+  micro-batches of a mini-batch accumulate their gradients unsharded, in fp32, and only the last
+  one reduces the sum (`no_sync`): one reduction per unit (each layer, the root) per optimizer step
+  instead of one per micro-batch (with more ranks each micro-batch reduce-scatters: accumulating
+  would hold a full fp32 gradient, 4 bytes/parameter instead of 4/W, on every rank). At world
+  size 1 (without offload) no unit reshards after
+  forward (`wrap`): a 1-rank shard is the whole tensor, so resharding would free only the gathered
+  compute-dtype copy (bf16: 2 bytes/parameter, which the frozen reference then keeps between its
+  forwards) and each forward and backward would copy and cast it again; every backward still
+  reshards, so the optimizer always steps the registered fp32 masters and the next forward
+  gathers their new values.
 
 Who gets a process group. A plain `python train_ppo.py` gets none: every helper below is then the
 identity and the run is the same, bit for bit, as if this module did not exist. Any process that
 torchrun started (its environment names RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) joins a group,
 *even at world size 1*: the configured strategy is then applied as written, so
 `torchrun --nproc_per_node=1` with fsdp2 really shards over one rank (the parameters are DTensors
-on a 1-device mesh, gathered through NCCL, computed in bf16 by the policy) and one GPU exercises
-the code that eight run. Collectives that only combine ranks' values (`all_reduce`, `barrier`)
-are skipped when there is one rank: their result would be their input.
+on a 1-device mesh, gathered by FSDP2 - torch 2.13 copies a 1-rank shard instead of calling NCCL -
+and computed in bf16 by the policy) and one GPU exercises the code that eight run. Collectives
+that only combine ranks' values (`all_reduce`, `barrier`) are skipped when there is one rank:
+their result would be their input.
 
 CPU offload (verl's `fsdp_config.param_offload` / `optimizer_offload`; fsdp2 only, since it moves
 shards: with `none` / `ddp` the keys are a one-line note and do nothing). A GPU holds, per
@@ -59,10 +70,11 @@ addresses. nanokl's minimal version of verl's hybrid engine keeps one *rollout c
 per rank (bf16 on CUDA, fp32 on CPU) wherever the actor is sharded (`sharded`) or on CUDA; after
 each update `sync_rollout_weights` all-gathers the actor's fp32 shards one tensor at a time
 (`DTensor.full_tensor()`) and copies them in place, so the copy's storage never moves and its
-captured graphs stay valid. FSDP2 leaves the root's *unsharded* parameters registered after a
-no-grad forward (it expects a backward next), in the policy's bf16; the sync re-shards first, so
-it always reads the fp32 masters. Memory cost: 2 bytes/parameter for the bf16 copy (its KV cache
-on top), plus one full fp32 tensor in flight during the sync. With `none` on CPU the actor itself
+captured graphs stay valid. FSDP2 leaves the root's (at world size 1 every unit's) *unsharded*
+parameters registered after a no-grad forward (it expects a backward next), in the policy's
+bf16; the sync re-shards first, so it always reads the fp32 masters. Memory cost: 2
+bytes/parameter for the bf16 copy (its KV cache on top), plus one full fp32 tensor in flight
+during the sync. With `none` on CPU the actor itself
 is the rollout model (no copy); with `ddp` on CPU rollout reads the replica's module directly.
 
 Data-parallel semantics (train_ppo.py): rank r takes prompts [r*B/W, (r+1)*B/W) of the global
@@ -80,7 +92,10 @@ module, the step hooks on the optimizer); FSDP2 under torchrun at world size 1 h
 gives them too; FSDP2 with a bf16 policy matches one process that computes in bf16 from fp32
 masters; the rollout copy equals the weights after an update and after a no-grad forward; a
 checkpoint restored over 2 processes continues exactly like the uninterrupted run, and rank 1
-never opens optim.pt or the weights.
+never opens optim.pt or the weights. Counted inside the FSDP2 processes: at world size 1 one
+reduction per unit per optimizer step whatever the number of micro-batches (with 2 ranks, one per
+micro-batch), and at world size 1 one gather
+(there a copy and a cast) per unit for a no-grad pass over several micro-batches.
 """
 
 import contextlib
@@ -277,9 +292,10 @@ def wrap(model, strategy, device, trainable=True, param_dtype=None, offload=Fals
     `offload` (fsdp2 only): the shards, their gradients and the optimizer step on CPU
     (`CPUOffloadPolicy`, pinned memory on CUDA; see the module docstring).
 
-    Build the optimizer right after wrapping, before any forward: between a no-grad forward and
-    the next backward FSDP2 registers the root's *unsharded* parameters on the module, and an
-    optimizer built then would update copies that the next reshard throws away."""
+    Build the optimizer right after wrapping, before any forward: between a forward and the next
+    backward FSDP2 registers the root's (at world size 1, without offload, every unit's)
+    *unsharded* parameters on the module, and an optimizer built then would update copies that the
+    next reshard throws away."""
     if strategy == "none" or not active():
         return model
     if strategy == "ddp":
@@ -296,9 +312,20 @@ def wrap(model, strategy, device, trainable=True, param_dtype=None, offload=Fals
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype != torch.float32 else MixedPrecisionPolicy()
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    # At world size 1 a unit's "shard" is the whole tensor: resharding after forward frees only the
+    # gathered compute-dtype copy, which the backward and every later forward would copy and cast
+    # again. So every unit stays gathered from a forward on (False). The invariant that keeps this
+    # safe: every backward reshards every unit (FSDP2's reshard_after_backward, left True), so the
+    # optimizer only ever steps while the fp32 masters are registered and the next forward gathers
+    # the new values; a gathered copy left by a forward that no backward followed (a no-grad pass)
+    # is never stepped, and whatever reads or writes weights then reshards first (reshard():
+    # full_tensors / the rollout sync, the state-dict and optimizer-state helpers, no_sync on entry
+    # to each micro-batch). Offloaded shards keep resharding: their gathered copy is the GPU memory
+    # the offload saves. More ranks: FSDP2's default (None: layers reshard, the root does not).
+    after = False if world() == 1 and not offload else None
     for layer in unwrap(model).model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=after)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=after)
     return model
 
 
@@ -308,15 +335,45 @@ def unwrap(model):
 
 
 def no_sync(model, skip):
-    """DDP: accumulate this backward locally (`skip`) and all-reduce only on the last micro-batch."""
-    if skip and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.no_sync()
+    """Around one micro-batch's forward and backward: accumulate its gradients locally (`skip`, every
+    micro-batch but the last of a mini-batch) and reduce them over the ranks once, in the last one.
+
+    DDP: `model.no_sync()` skips the all-reduce. FSDP2: `set_requires_gradient_sync(not skip)` on
+    every unit (recursive), set on entry and back to True on exit, so a backward outside this context
+    always reduces. A skipped backward keeps each unit's unsharded gradient (in the reduce dtype,
+    fp32: a bf16 gradient is upcast after the first micro-batch and later ones are added to it), and
+    the last one reduce-scatters the sum: one reduce-scatter per unit per optimizer step, not per
+    micro-batch. On entry the FSDP2 units are resharded, so the forward gathers the current masters
+    even if a no-grad forward left older gathered copies registered.
+
+    FSDP2 skips only at world size 1, where a rank's shard is the whole gradient anyway: the
+    reductions it saves are copies, and it costs no memory. With W ranks an accumulated unsharded
+    gradient is 4 bytes/parameter on every rank instead of 4/W (a 7B model on 8 GPUs: 28 GB instead
+    of 3.5, past what bench/memory.py leaves on an 80 GB GPU), so there each micro-batch's backward
+    reduce-scatters as it goes (verl's choice too), overlapped with the backward of the next layers."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync() if skip else contextlib.nullcontext()
+    if active() and world() == 1:  # see below: with more ranks FSDP2 reduce-scatters every micro-batch
+        from torch.distributed.fsdp import FSDPModule
+        if isinstance(model, FSDPModule):
+            return _fsdp_gradient_sync(model, not skip)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_gradient_sync(model, sync):
+    reshard(model)  # a no-op after a backward (FSDP2 reshards then); after a no-grad forward, fresh gathers
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def reshard(model):
     """Put FSDP2's sharded fp32 parameters back on the module. After a no-grad forward the root
-    keeps its gathered parameters (in the policy's compute dtype) registered instead."""
+    (at world size 1 every unit) keeps its gathered parameters (in the policy's compute dtype)
+    registered instead."""
     if not active():
         return
     from torch.distributed.fsdp import FSDPModule
@@ -355,6 +412,7 @@ def _options(**kw):
 def full_state_dict(model):
     """Full (gathered) weights on rank 0, for an HF-format checkpoint; {} on the other ranks."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    reshard(model)  # (FSDP2's state-dict hooks reshard too; said here like every reader of the weights)
     sd = get_model_state_dict(unwrap(model), options=_options(cpu_offload=True))
     return sd if rank() == 0 else {}
 
@@ -363,6 +421,7 @@ def load_full_state_dict(model, sd):
     """Load full (unsharded) weights into a plain, DDP or FSDP2 model; each rank keeps its shard.
     Under torchrun only rank 0's `sd` is read (the others pass {}): it is broadcast tensor by tensor."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    reshard(model)  # write the masters, never the gathered copies a no-grad forward left
     set_model_state_dict(unwrap(model), sd, options=_options(broadcast_from_rank0=active()))
 
 

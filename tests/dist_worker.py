@@ -20,6 +20,12 @@ steps; each result records where the shards and the optimizer state live, whethe
 module carries the policy (on a CPU-only box everything is on CPU anyway: the policy is what shows
 that the flag reached `fully_shard`) and the optimizer's step hooks.
 
+Under FSDP2 each run also counts collectives (`Collectives`): per optimizer step of the first
+update, the micro-batches (`dist.no_sync` calls), FSDP2's gradient reductions (`foreach_reduce`:
+a reduce-scatter, or a copy on one rank) and the gloo reduce-scatters; the unit gathers of the
+actor's no-grad log-prob pass; whether its layers stay gathered after that pass and are resharded
+on entering `dist.no_sync`; and each unit's reshard_after_forward (root first).
+
 `--checks` adds, after the update: (a) the rollout copy synced right after the update and (b)
 synced again right after a no-grad forward (which leaves FSDP2's root gathered in bf16), both
 saved for the test; (c) a checkpoint written by nanokl.harness.run.save, a second update (the
@@ -29,12 +35,15 @@ not open optim.pt nor the weights: its torch.load and weight loaders raise if it
 """
 
 import argparse
+import contextlib
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch.nn.utils import parametrize
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanokl import workers as workers  # noqa: E402
@@ -115,6 +124,57 @@ def offload_report(model, opt):
             "step_hooks": (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))}
 
 
+class Collectives:
+    """Counts FSDP2's collectives, wrapped where FSDP2 looks them up, and dist.no_sync's calls.
+    torch 2.13 at world size 1 neither all-gathers nor reduce-scatters: it copies (and casts) the
+    shard into the unsharded buffer, and copies the gradient back; `gathers` and `reductions`
+    count those steps at any world size, `reduce_scatters` the collective itself."""
+
+    def __init__(self):
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+        group = _fsdp_param_group.FSDPParamGroup
+        self.counts, self._undo = Counter(), []
+        for owner, name, key in ((torch.distributed, "reduce_scatter_single", "reduce_scatters"),
+                                 (_fsdp_param_group, "foreach_reduce", "reductions"),
+                                 (group, "_to_unsharded", "gathers"),  # after the all-gather (or copy)
+                                 (dist, "no_sync", "micro_batches")):  # workers.ppo_epochs: one per micro-batch
+            real = getattr(owner, name)
+            setattr(owner, name, self._counted(real, key, group if owner is group else None))
+            self._undo.append((owner, name, real))
+
+    def _counted(self, real, key, group):
+        def counted(*args, **kwargs):
+            # a param group's _to_unsharded is a no-op when it is unsharded already: not a gather
+            if group is None or not args[0].is_unsharded:
+                self.counts[key] += 1
+            return real(*args, **kwargs)
+        return counted
+
+    @contextlib.contextmanager
+    def per_step(self):
+        """The counts between optimizer steps: a list, one dict per step (any optimizer)."""
+        steps = []
+        self.counts.clear()
+
+        def snapshot(opt, args, kwargs):
+            steps.append({k: self.counts[k] for k in ("micro_batches", "reductions", "reduce_scatters")})
+            self.counts.clear()
+        handle = register_optimizer_step_pre_hook(snapshot)
+        try:
+            yield steps
+        finally:
+            handle.remove()
+
+    def close(self):
+        for owner, name, real in reversed(self._undo):
+            setattr(owner, name, real)
+
+
+def gathered_layers(model):
+    """Whether the decoder layers hold plain (gathered) tensors rather than their DTensor shards."""
+    return [type(p).__name__ != "DTensor" for layer in dist.unwrap(model).model.layers for p in layer.parameters()]
+
+
 def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, offload="none"):
     rank, W, device = dist.init()
     dtype = getattr(torch, param_dtype)
@@ -154,7 +214,17 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
             return len(token_budget_micro_batches(half, b))
         budget = next(b for b in range(max(lengths), sum(lengths)) if count(lengths[:4], b) != count(lengths[4:], b))
         spec = Batching(token_budget=budget, packed=True)
+    counter = Collectives() if strategy == "fsdp2" else None
+    counted = {}
+    if counter:
+        counter.counts.clear()
     batch["old_log_probs"], _ = workers.compute_log_probs(actor, batch, 1.0, spec)
+    if counter:  # the no-grad pass over several micro-batches, and what it leaves registered
+        counted.update(no_grad_gathers=counter.counts["gathers"],
+                       no_grad_micro_batches=len(list(workers.forward_micro_batches(batch, spec))),
+                       gathered_after_forward=gathered_layers(actor))
+        with dist.no_sync(actor, skip=True):
+            counted["gathered_in_no_sync"] = gathered_layers(actor)
     batch["ref_log_probs"], _ = workers.compute_log_probs(ref, batch, 1.0, spec)
     batch["values"] = workers.compute_values(critic, batch, spec)
     adv, ret = compute_gae_advantage_return(scores, batch["values"], batch["response_mask"], 1.0, 0.95,
@@ -174,7 +244,11 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
                                             kl_loss_coef=a.kl_loss_coef)[0])
         return metrics
 
-    metrics = update(actor, critic, a_opt, c_opt)
+    with counter.per_step() if counter else contextlib.nullcontext() as steps:
+        metrics = update(actor, critic, a_opt, c_opt)
+    if counter:
+        counter.close()
+        counted["steps"] = steps
     if strategy == "none" and dtype != torch.float32:
         compute_in(actor, dtype, on=False), compute_in(critic, dtype, on=False)
     p = next(dist.unwrap(actor).parameters())
@@ -183,6 +257,9 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
            "mesh": p.device_mesh.size() if hasattr(p, "device_mesh") else None}
     if strategy == "fsdp2":
         out["offload"] = {"actor": offload_report(actor, a_opt), "critic": offload_report(critic, c_opt)}
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in dist.unwrap(actor).modules()
+                  if isinstance(m, torch.distributed.fsdp.FSDPModule)]
+        out["collectives"] = {**counted, "reshard_after_forward": [g._reshard_after_forward for g in groups]}
     if checks:
         out.update(run_checks(rank, W, actor, critic, a_opt, c_opt, scheds, build, update, batch, spec, ckpt_dir))
     del actor, critic, a_opt, c_opt  # release the DDP/FSDP wrappers before leaving the group

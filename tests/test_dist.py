@@ -7,6 +7,12 @@
   different micro-batch counts, which exercises the agreed count and the masked filler row.
 - FSDP2 under `torchrun --nproc_per_node=1` joins a process group and really shards: its
   parameters are DTensors on a 1-rank mesh, and the update equals the unwrapped one.
+- FSDP2's collectives, counted inside the processes (check_collectives): at world size 1 the
+  gradients of the micro-batches of a mini-batch (4) are reduced once per unit per optimizer step
+  (dist.no_sync), 3 a step, not 3 per micro-batch; over 2 processes each micro-batch (2, or 4 in
+  the `budget` case) reduce-scatters; at world size 1 no unit reshards after forward (one gather per unit - torch 2.13
+  copies and casts a 1-rank shard - for a no-grad pass over 4 micro-batches, against 9 with
+  resharding), except with offloaded shards.
 - FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over 2 processes against
   one process computing in bf16 from fp32 masters through casts (tests/dist_worker.py).
 - CPU offload (dist.wrap's CPUOffloadPolicy; dist.offload_optimizer's state between steps): the
@@ -87,6 +93,7 @@ def test_processes_match_one(reference, tmp_path, strategy, spec, mode, nproc, d
     for (dtype, offload), got in results.items():
         if strategy == "fsdp2":
             check_offload(got, offload, results[(dtype, "none")])
+            check_collectives(got["collectives"], nproc, spec, offload)
         bf16 = dtype == "bfloat16"
         ref = reference[mode + ("-bf16" if bf16 else "")]
         assert got["world"] == nproc
@@ -115,6 +122,32 @@ def test_processes_match_one(reference, tmp_path, strategy, spec, mode, nproc, d
             assert max_diff(got["straight"], got["resumed"]) == 0  # and resuming changed nothing
             assert got["replica_spread"] == 0  # rank 1's replica agrees (DDP: rank 0 alone is saved)
             assert got["guarded_ranks"] == nproc - 1  # rank 1 ran with its loaders booby-trapped
+
+
+def check_collectives(c, nproc, spec, offload):
+    """At world size 1 FSDP2's gradient reduction happens once per unit per optimizer step, in the last
+    micro-batch (dist.no_sync; over 2 ranks once per micro-batch), and at world size 1 the units stay gathered from a forward to the next backward
+    (dist.wrap's reshard_after_forward=False) unless their shards are offloaded."""
+    units, layers = 3, 2  # the two decoder layers and the root
+    # the critic's 2 epochs, then the actor's, each one mini-batch of several micro-batches
+    assert len(c["steps"]) == 4
+    for step in c["steps"]:
+        assert step["micro_batches"] == (4 if nproc == 1 or spec == "budget" else 2)
+        # at world size 1 one reduction (a copy) per unit, not one per micro-batch; with 2 ranks each
+        # micro-batch reduce-scatters (accumulating unsharded would hold 4 bytes/parameter per rank)
+        per_step = units if nproc == 1 else units * step["micro_batches"]
+        assert step["reductions"] == per_step, c["steps"]
+        assert step["reduce_scatters"] == (per_step if nproc > 1 else 0), c["steps"]
+    keep = nproc == 1 and offload != "params"
+    # FSDP2's default for several ranks (and offloaded shards): the layers reshard, the root does not
+    assert c["reshard_after_forward"] == ([False] * units if keep else [False] + [True] * layers)  # root first
+    # a no-grad pass over K micro-batches gathers (at world size 1: copies and casts) each unit once
+    # when nothing reshards after forward; else the root once and each layer at every micro-batch
+    k = c["no_grad_micro_batches"]
+    assert k >= 2
+    assert c["no_grad_gathers"] == (units if keep else 1 + layers * k)
+    assert set(c["gathered_after_forward"]) == {keep}  # the layers' gathered copies stay registered...
+    assert set(c["gathered_in_no_sync"]) == {False}  # ...until a micro-batch starts: resharded on entry
 
 
 def check_offload(got, offload, plain):
