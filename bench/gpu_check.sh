@@ -5,6 +5,8 @@
 #   here first:  mkdir -p bench/_data && cp ../shared/data/gsm8k/train.jsonl bench/_data/gsm8k_train.jsonl
 #   device run:  bash bench/gpu_check.sh            (carry: bench/_data; timeout_s 560)
 #   CPU smoke:   bash bench/gpu_check.sh --smoke    (tiny shapes on CPU, same commands: tests/test_bench.py)
+#   PPO only:    bash bench/gpu_check.sh --ppo-only (carry: bench/_data; timeout_s 300): the PPO step twice,
+#                the first GPU run's settings then the config's; --ppo-only --smoke is its CPU smoke
 #
 # The GPU machine has `python3` only (no `python`, no `torchrun` promised) and can install nothing:
 # every Python runs as $PY (default python3), torchrun as `$PY -m torch.distributed.run`.
@@ -21,7 +23,8 @@
 #   rollout.md          the rollout table, row by row as measured   (step 3)
 #   ppo/summary.json    the PPO run's figures                       (step 4)
 # The script checks that count, depth and names at its end (exit 1 if they do not fit, or if a
-# step failed); --smoke checks the same on the CPU.
+# step failed); --smoke checks the same on the CPU. --ppo-only leaves 5: summary.md, summary.json,
+# logs.tar.gz, ppo_first/summary.json and ppo_config/summary.json.
 #
 # Timeouts. Each step's timeout is a cap no healthy run comes near (estimated healthy time on one
 # H200 in brackets; no GPU has run this yet, so summary.md reports each step's real time against
@@ -32,19 +35,47 @@
 # left of DEADLINE (470 s) since the start, and one left under 10 s is skipped, so even a run where
 # every step hangs prints its summary by ~530 s (deadline, 10 s kill grace, two summary steps of at
 # most 20 s + 5 s grace): inside the 560 s device timeout.
+#
+# --ppo-only: nvidia-smi, then bench/ppo_gpu.py twice on the same data and the same cached weights
+# ($WORK/cache: the tokenizer and the bf16 random init are made once, by the first run), 3 steps of
+# 128 prompts x 256 response tokens each: step 1 warms up (CUDA graphs, allocator), step 2 is timed,
+# step 3 runs under torch.profiler (summary.json is written before it; the run skips it when it would
+# not fit the step's timeout, which it reads from $STEP_TIMEOUT_S). Estimated from the first GPU run
+# (setup + first step 48 s, 19.8 s a step at the first settings): first ~100 s (setup ~25, warm-up
+# ~22, timed ~20, profiled ~30 + analysis), config ~70 s if it is faster as expected. Caps 130 s
+# each under a 225 s deadline (the config run gets what is left: >= 84 s), two summary steps of at
+# most 10 s: ~190 s when healthy, ~240 s if the PPO runs hang (225 + 10 s kill grace + ~2 s of
+# summary), 265 s if the summary steps hang too; inside a 300 s device timeout.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/nanokl_gpu_check}
+SMOKE=0; PPO_ONLY=0
+for arg in "$@"; do
+  case "$arg" in
+    --smoke) SMOKE=1 ;;
+    --ppo-only) PPO_ONLY=1 ;;
+    *) echo "usage: bash bench/gpu_check.sh [--smoke] [--ppo-only]" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1  # absolute, before leaving the caller's folder
 cd "$(dirname "$0")/.." || exit 1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/nanokl_gpu_check.XXXXXX")  # logs and weights: never under $OUT
 trap 'rm -rf "$WORK" "$WORK.tgz"' EXIT
 # a rerun into the same $OUT must not report the last run's results as this one's
 rm -rf "$OUT/summary.md" "$OUT/summary.json" "$OUT/logs.tar.gz" "$OUT/env.json" "$OUT/cuda_tests.log" \
-  "$OUT/rollout.md" "$OUT/ppo/summary.json"
+  "$OUT/rollout.md" "$OUT/ppo/summary.json" "$OUT/ppo_first/summary.json" "$OUT/ppo_config/summary.json"
 DATA=bench/_data/gsm8k_train.jsonl
-if [ "${1:-}" = "--smoke" ]; then
+T_FINAL=20  # each of the two summary steps (healthy: ~1 s)
+if [ "$PPO_ONLY" = 1 ] && [ "$SMOKE" = 1 ]; then
+  MODE=ppo-smoke  # tiny shapes on CPU; the profiler asked for (off by default on CPU) so that it runs here too
+  PPO_ARGS=(--shape tiny --device cpu --steps 3 --batch 4 --response 8 --profile on)
+  T_PPO=60; DEADLINE=${DEADLINE:-150}; T_FINAL=10
+  DATA=${SMOKE_DATA:-$DATA}
+elif [ "$PPO_ONLY" = 1 ]; then
+  MODE=ppo; PPO_ARGS=(--shape 0.5b --device cuda --steps 3 --batch 128 --response 256)
+  T_GPU=20; T_PPO=130; DEADLINE=${DEADLINE:-225}; T_FINAL=10
+elif [ "$SMOKE" = 1 ]; then
   MODE=smoke; DEV=cpu; SIZE=tiny; BATCHES=1,4; IMPL_BATCHES=hf=4,nanokl-eager=1,naive=1; NEW=8; ROUNDS=1
   PPO_ARGS=(--shape tiny --device cpu --steps 2 --batch 4 --response 8)
   T_GPU=0; T_ENV=60; T_TESTS=90; T_ROLLOUT=120; T_PPO=150; DEADLINE=${DEADLINE:-400}
@@ -56,16 +87,19 @@ else
   T_GPU=20; T_ENV=60; T_TESTS=90; T_ROLLOUT=180; T_PPO=240; DEADLINE=${DEADLINE:-470}
   TESTS=()
 fi
-T_FINAL=20  # each of the two summary steps (healthy: ~1 s)
 : > "$WORK/steps.tsv"
 FAILED=0
 
 publish() {  # after every step: results into $OUT, every log (no weights) into $OUT/logs.tar.gz
   [ -f "$WORK/cuda_tests.log" ] && cp "$WORK/cuda_tests.log" "$OUT/cuda_tests.log"
-  if [ -f "$WORK/ppo/summary.json" ]; then mkdir -p "$OUT/ppo" && cp "$WORK/ppo/summary.json" "$OUT/ppo/summary.json"; fi
-  rm -rf "$WORK/ppo/model" "$WORK/ppo/run/checkpoints"  # GBs of random weights: not worth bringing back
-  (cd "$WORK" && find . -path ./ckpts -prune -o -type f -size +8192k -print > left_out.txt  # listed, not archived
-   find . -path ./ckpts -prune -o -type f ! -size +8192k -print0 | tar --null -czf "$WORK.tgz" -T -) \
+  local d
+  for d in ppo ppo_first ppo_config; do
+    if [ -f "$WORK/$d/summary.json" ]; then mkdir -p "$OUT/$d" && cp "$WORK/$d/summary.json" "$OUT/$d/summary.json"; fi
+    rm -rf "$WORK/$d/run/checkpoints"  # none expected (save_freq=-1); GBs if any
+  done
+  # ckpts (rollout) and cache (PPO's tokenizer and GBs of random weights): not worth bringing back
+  (cd "$WORK" && find . \( -path ./ckpts -o -path ./cache \) -prune -o -type f -size +8192k -print > left_out.txt
+   find . \( -path ./ckpts -o -path ./cache \) -prune -o -type f ! -size +8192k -print0 | tar --null -czf "$WORK.tgz" -T -) \
     && mv -f "$WORK.tgz" "$OUT/logs.tar.gz"
 }
 
@@ -80,7 +114,7 @@ step() {
     echo "[$SECONDS s] $name: skipped (deadline)"; publish; return
   fi
   local t0=$SECONDS rc
-  timeout -k 10 "$t" "$@" > "$WORK/$name.log" 2>&1
+  STEP_TIMEOUT_S=$t timeout -k 10 "$t" "$@" > "$WORK/$name.log" 2>&1  # ppo_gpu.py reads it (--time-limit)
   rc=$?
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$t" >> "$WORK/steps.tsv"
   (( rc == 0 )) || FAILED=1
@@ -88,6 +122,21 @@ step() {
   publish
 }
 
+if [ "$PPO_ONLY" = 1 ]; then
+  # the PPO step only, twice: the first GPU run's settings, then the config's; same data, same cache
+  [ "$MODE" = ppo ] && step gpu "$T_GPU" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  for settings in first config; do
+    if [ -f "$DATA" ]; then
+      step "ppo_$settings" "$T_PPO" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 bench/ppo_gpu.py \
+        --data "$DATA" --out "$WORK/ppo_$settings" --cache "$WORK/cache" --settings "$settings" "${PPO_ARGS[@]}"
+    else
+      echo "no $DATA: copy GSM8K's train.jsonl there (see the header)" > "$WORK/ppo_$settings.log"
+      printf 'ppo_%s\tno data\t0\t%s\n' "$settings" "$T_PPO" >> "$WORK/steps.tsv"; FAILED=1; publish
+    fi
+  done
+  SUMMARY=compare
+else
+SUMMARY=summary
 # 0. the GPU as the driver sees it
 if [ "$MODE" = device ]; then
   step gpu "$T_GPU" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -110,15 +159,16 @@ step rollout "$T_ROLLOUT" "$PY" bench/rollout.py --device "$DEV" --sizes "$SIZE"
 #    GSM8K prompts, Qwen2.5-0.5B-shaped random init, no checkpoint (trainer.save_freq=-1)
 if [ -f "$DATA" ]; then
   step ppo "$T_PPO" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 bench/ppo_gpu.py \
-    --data "$DATA" --out "$WORK/ppo" "${PPO_ARGS[@]}"
+    --data "$DATA" --out "$WORK/ppo" --cache "$WORK/cache" "${PPO_ARGS[@]}"
 else
   echo "no $DATA: copy GSM8K's train.jsonl there (see the header)" > "$WORK/ppo.log"
   printf 'ppo\tno data\t0\t%s\n' "$T_PPO" >> "$WORK/steps.tsv"; FAILED=1; publish
 fi
+fi
 
 # 5. one screen: bench/gpu_summary.py's, then step times, summary.json and what $OUT holds
-timeout -k 5 "$T_FINAL" "$PY" bench/gpu_summary.py summary "$OUT" > "$WORK/summary.log" 2>&1 \
-  || echo "bench/gpu_summary.py summary failed: see summary.log in logs.tar.gz" >> "$OUT/summary.md"
+timeout -k 5 "$T_FINAL" "$PY" bench/gpu_summary.py "$SUMMARY" "$OUT" > "$WORK/summary.log" 2>&1 \
+  || echo "bench/gpu_summary.py $SUMMARY failed: see summary.log in logs.tar.gz" >> "$OUT/summary.md"
 publish
 timeout -k 5 "$T_FINAL" "$PY" - "$OUT" "$WORK/steps.tsv" "$MODE" "$SECONDS" "$DEADLINE" <<'EOF'
 """summary.json, the step times and the check of what $OUT holds; exit 1 when it would not all come back."""
@@ -155,6 +205,7 @@ big = [f for f in files if f != "summary.json" and (out / f).stat().st_size > MA
 fits = len(files) <= MAX_FILES and not problems and not big
 summary = dict(mode=mode, wall_s=seconds, deadline_s=deadline, steps=steps, env=read_json(out / "env.json"),
                cuda_tests=tests_line, rollout=rows, ppo=read_json(out / "ppo" / "summary.json"),
+               **{r: read_json(out / r / "summary.json") for r in ("ppo_first", "ppo_config") if mode.startswith("ppo")},
                files=files, files_fit=fits)
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 lines = ["steps (seconds of timeout, exit): " + "; ".join(

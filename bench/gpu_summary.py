@@ -2,6 +2,7 @@
 
     python bench/gpu_summary.py env OUT/env.json      # versions, attention backends (gpu_check.sh step 0)
     python bench/gpu_summary.py summary OUT           # OUT/summary.md from the files the steps wrote
+    python bench/gpu_summary.py compare OUT           # OUT/summary.md: ppo_first vs ppo_config (--ppo-only)
 
 bench/gpu_check.sh runs this at its start and at its end. Each step of the check leaves a file in
 OUT (env.json, cuda_tests.log, rollout.md, ppo/summary.json); the summary reads whichever exist, so a
@@ -12,6 +13,9 @@ with and without graphs against the bandwidth floor and the kernels one replay r
 batch and HF at one batch; graph captures and rebuilds over the PPO run; the attention kernel of an
 actor micro-batch; the PPO timing breakdown, tokens/s/GPU and peak memory; step-0 KL and the
 rollout/training log-prob gap; whether fsdp2 really sharded under torchrun at world size 1.
+`compare` (gpu_check.sh --ppo-only) puts the two PPO runs side by side instead: the first GPU run's
+settings and the config's, on the same data and weights: tokens/s/GPU, seconds and MFU per phase,
+peak memory, host syncs and the top 5 kernels of each run's profiled step.
 """
 
 import json
@@ -139,7 +143,101 @@ def _ppo(out):
              f"tokens/s/GPU {s.get('throughput', float('nan')):.0f}; peak GPU memory {s.get('peak_gib', float('nan')):.1f} GiB",
              f"step-0 KL {s.get('kl_step0')}; rollout/log_prob_max_diff {s.get('log_prob_max_diff')}",
              "timing_s: " + ", ".join(f"{k.split('/', 1)[1]} {v:.2f}" for k, v in s.get("timing", {}).items())]
+    if s.get("phases"):
+        lines.append(f"settings {s.get('label')}: {_settings(s)}; MFU (peak {s.get('peak_tflops')} TFLOP/s): " + ", ".join(
+            f"{k} {_pct(v.get('mfu'))}" for k, v in s["phases"].items() if v.get("tflop")))
+    prof = s.get("profile")
+    if prof:
+        lines.append("profiled step: " + (_profile(prof) if "top_kernels" in prof else json.dumps(prof)))
     return lines
+
+
+def _pct(x):
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _settings(s):
+    """One line for a run's resolved settings: the training and no-grad batching, checkpointing, the LM head."""
+    st = s.get("settings") or {}
+    sp, ck = st.get("specs") or {}, st.get("gradient_checkpointing") or {}
+    if not sp:
+        return "?"
+
+    def cut(spec):
+        return f"{spec['token_budget']} tok" if spec.get("token_budget") else f"{spec.get('micro_size')} seq"
+    chunk = (sp.get("actor") or {}).get("chunk")
+    return (f"train {cut(sp['actor'])}, old {cut(sp['old'])}, ref {cut(sp['ref'])}; ckpt actor "
+            f"{'on' if ck.get('actor') else 'off'} critic {'on' if ck.get('critic') else 'off'}; "
+            + (f"logits chunked by {chunk}" if chunk else "whole logits"))
+
+
+def _profile(prof):
+    top = "; ".join(f"{k['name'][:60]} {k['ms']:.0f} ms x{k['calls']}" for k in prof["top_kernels"][:3])
+    return (f"step {prof.get('step')} {prof.get('wall_s', 0):.1f} s, host syncs {prof.get('host_syncs_total')}"
+            f" {prof.get('host_syncs')}; top by {prof.get('kernels_by')}: {top}")
+
+
+RUNS = ("ppo_first", "ppo_config")
+PHASES = ("step", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+
+
+def compare(out):
+    """summary.md of gpu_check.sh --ppo-only: the two runs' figures as columns of one table."""
+    out = Path(out)
+    runs = {r: json.loads((out / r / "summary.json").read_text()) if (out / r / "summary.json").exists() else None
+            for r in RUNS}
+    got = [s for s in runs.values() if s]
+    head = got[0] if got else {}
+
+    def row(what, fn):
+        cells = []
+        for r, s in runs.items():
+            try:
+                cells.append(fn(s) if s else f"missing (see {r}.log in logs.tar.gz)")
+            except (KeyError, TypeError, ValueError, IndexError):
+                cells.append("-")
+        return f"| {what} | " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
+
+    def phase(name):
+        def fn(s):
+            p = (s.get("phases") or {}).get(name)
+            return "-" if p is None else f"{p['s']:.2f} s" + (f" ({_pct(p['mfu'])})" if p.get("tflop") else "")
+        return fn
+
+    def kernel(i):
+        def fn(s):
+            prof = s.get("profile") or {}
+            if "top_kernels" not in prof:
+                return (prof.get("skipped") or prof.get("error") or "not profiled")[:80] if i == 0 else ""
+            k = prof["top_kernels"]
+            return f"{k[i]['name'][:70]}: {k[i]['ms']:.1f} ms x{k[i]['calls']}" if i < len(k) else ""
+        return fn
+    lines = ["# nanokl GPU check, PPO only: the first GPU run's settings vs the config's",
+             f"{head.get('device_name')}; torch {head.get('torch')}; "
+             + (f"MFU = model FLOPs / (seconds x {head['peak_tflops']:.0f} TFLOP/s bf16 dense)"
+                if head.get("peak_tflops") else "MFU n/a (no peak known: --peak-tflops)")
+             + f"; {head.get('tokens_per_step', float('nan')):.0f} tokens a step; "
+             "same data, same cached random-init weights; means over the unprofiled steps after the first",
+             "", f"| | {' | '.join(RUNS)} |", "|---|---|---|",
+             row("label", lambda s: s["label"]), row("settings", _settings),
+             row("steps (timed)", lambda s: f"{s['steps']} ({', '.join(map(str, s['timed_steps']))})"),
+             row("tokens/s/GPU", lambda s: f"{s['throughput']:.0f}"),
+             *(row(f"{p} s (MFU)", phase(p)) for p in PHASES),
+             row("peak GPU memory", lambda s: f"{s['peak_gib']:.1f} GiB" if s.get("peak_gib") is not None else "n/a (CPU)"),
+             row("setup", lambda s: f"{s['setup_s']:.0f} s to the first step; tokenizer {s['setup']['tokenizer']}, "
+                                    f"model {s['setup']['model']}"),
+             row("profiled step", lambda s: f"step {s['profile']['step']}, {s['profile']['wall_s']:.1f} s, "
+                                            f"{s['profile']['events']} events" if "step" in s.get("profile", {}) else
+                 "-"),
+             row("host syncs", lambda s: f"{s['profile']['host_syncs_total']} "
+                                         f"{s['profile']['host_syncs']}" if "host_syncs" in s.get("profile", {}) else "-"),
+             *(row(f"kernel {i + 1}", kernel(i)) for i in range(5))]
+    a, b = (runs[r] or {} for r in RUNS)
+    if a.get("throughput") and b.get("throughput"):
+        lines.append(f"\nconfig / first: {b['throughput'] / a['throughput']:.2f}x tokens/s/GPU")
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    print(text)
 
 
 def summarize(out):
@@ -161,6 +259,6 @@ def summarize(out):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("env", "summary"):
+    if len(sys.argv) != 3 or sys.argv[1] not in ("env", "summary", "compare"):
         sys.exit(__doc__.split("\n\n")[1])
-    probe_env(sys.argv[2]) if sys.argv[1] == "env" else summarize(sys.argv[2])
+    {"env": probe_env, "summary": summarize, "compare": compare}[sys.argv[1]](sys.argv[2])

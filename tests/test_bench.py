@@ -12,6 +12,7 @@ promises only that), and it must leave at most 8 files under $OUT, at most two f
 names of [A-Za-z0-9._-] (what a device run hands back).
 """
 
+import argparse
 import json
 import os
 import re
@@ -116,6 +117,112 @@ def test_gpu_check_smoke(tmp_path):
     logs = subprocess.run(["tar", "tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
     assert {"./env.log", "./cuda_tests.log", "./rollout.log", "./ppo.log", "./ppo/run/metrics.jsonl"} <= set(logs), logs
     assert not any("model" in f.split("/") or "ckpts" in f.split("/") for f in logs), logs  # no weights
+
+
+def test_gpu_check_ppo_only_smoke(tmp_path):
+    """`gpu_check.sh --ppo-only --smoke`: the PPO step twice on CPU as the GPU machine runs it (python3,
+    no python), the first GPU run's settings then the config's, on one cache (the second run builds
+    nothing), each with a profiled last step; both summaries come back with their settings, and the
+    side-by-side table is printed before the step times and the file list."""
+    fake_gsm8k(tmp_path / "gsm8k.jsonl")
+    env = {**os.environ, "PATH": python3_only_path(tmp_path / "bin"), "OUT": str(tmp_path / "out"),
+           "SMOKE_DATA": str(tmp_path / "gsm8k.jsonl"), "OMP_NUM_THREADS": "1"}
+    env.pop("PY", None)
+    env.pop("VIRTUAL_ENV", None)
+    stdout = run(["bash", str(BENCH / "gpu_check.sh"), "--ppo-only", "--smoke"], env=env, timeout=240)
+    out = tmp_path / "out"
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["logs.tar.gz", "ppo_config/summary.json", "ppo_first/summary.json", "summary.json", "summary.md"]
+    assert f"$OUT holds {len(files)} files" in stdout.splitlines()[-1]
+    first, config = (json.loads((out / f"ppo_{s}" / "summary.json").read_text()) for s in ("first", "config"))
+    for s, label in ((first, "first"), (config, "config")):
+        assert s["label"] == label and s["steps"] == 3 and s["timed_steps"] == [1] and s["throughput"] > 0
+        assert s["phases"]["step"]["tflop"] > 0 and s["phases"]["step"]["mfu"] is None  # no peak on CPU
+        prof = s["profile"]
+        assert prof["step"] == 2 and prof["top_kernels"] and all(k["ms"] >= 0 and k["calls"] > 0
+                                                                  for k in prof["top_kernels"])
+        assert s["sharded"] == "yes" and s["checkpoints"] == 0
+    # first: 2 responses a training micro-batch (gcd(4, mini-batch 2)), 4 a reference one, 8 an old-log-prob
+    # one, no token budget, whole logits, the actor checkpointed (the critic was not, in that run)
+    fs, cs = first["settings"]["specs"], config["settings"]["specs"]
+    assert [fs[k]["micro_size"] for k in ("actor", "critic", "ref", "old")] == [2, 2, 4, 8]
+    assert all(v["token_budget"] is None and v["chunk"] is None for v in fs.values())
+    assert first["settings"]["gradient_checkpointing"] == {"actor": True, "critic": False}
+    # config: the file's budgets and chunk, no checkpointing
+    assert [cs[k]["token_budget"] for k in ("actor", "critic", "ref", "old", "values")] == [16384] * 2 + [32768] * 3
+    assert cs["actor"]["chunk"] == cs["ref"]["chunk"] == 2048
+    assert config["settings"]["gradient_checkpointing"] == {"actor": False, "critic": False}
+    assert "cached" not in first["setup"]["model"] and config["setup"] == {"tokenizer": "cached", "model": "cached"}
+    summary = (out / "summary.md").read_text()
+    assert "| tokens/s/GPU |" in summary and "| kernel 5 |" in summary and "missing" not in summary, summary
+    js = json.loads((out / "summary.json").read_text())
+    assert js["mode"] == "ppo-smoke" and js["files_fit"] and js["ppo_first"] == first and js["ppo_config"] == config
+    assert [(s["step"], s["rc"]) for s in js["steps"]] == [("ppo_first", 0), ("ppo_config", 0)]
+    logs = subprocess.run(["tar", "tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
+    assert {"./ppo_first.log", "./ppo_config.log", "./ppo_first/run/metrics.jsonl"} <= set(logs), logs
+    assert not any(f.startswith("./cache") for f in logs), logs  # no weights, no tokenizer cache
+
+
+def _ppo_gpu():
+    sys.path.insert(0, str(BENCH))
+    import ppo_gpu
+    return ppo_gpu
+
+
+def test_ppo_gpu_setting_flags():
+    """bench/ppo_gpu.py's flags are config overrides that load: each resolves to the batching it names."""
+    ppo_gpu = _ppo_gpu()
+    from nanokl.harness.config import load_config
+    from nanokl.harness.run import batching_specs
+
+    def specs(*argv):
+        ap = argparse.Namespace(settings="config", token_budget=None, micro=None, checkpointing=None, chunk=None,
+                                compile=None, label=None)
+        for flag in argv:
+            k, v = flag.split("=")
+            setattr(ap, k, v if k in ("settings", "checkpointing", "compile") else int(v))
+        ov, label = ppo_gpu.setting_overrides(ap, 64)
+        cfg = load_config(ROOT / "configs" / "gsm8k_qwen2.5_0.5b.yaml", ov)
+        return batching_specs(cfg), cfg, label
+    sp, cfg, label = specs("settings=first")
+    assert label == "first" and [sp[k].micro_size for k in ("actor", "critic", "values", "ref", "old")] == [4, 4, 4, 4, 8]
+    assert not any(s.token_budget or s.chunk for s in sp.values())
+    assert cfg.actor_rollout_ref.model.enable_gradient_checkpointing and not cfg.critic.model.enable_gradient_checkpointing
+    assert not cfg.actor_rollout_ref.actor.use_torch_compile and not cfg.actor_rollout_ref.ref.use_torch_compile
+    sp, cfg, label = specs("settings=first", "compile=on")
+    assert label == "first,compile=on" and cfg.actor_rollout_ref.actor.use_torch_compile
+    assert cfg.actor_rollout_ref.ref.use_torch_compile
+    sp, cfg, label = specs("settings=first", "token_budget=8192", "chunk=1024", "checkpointing=off")
+    assert label == "first,token-budget=8192,checkpointing=off,chunk=1024"
+    assert [sp[k].token_budget for k in ("actor", "critic", "values", "ref", "old")] == [8192] * 2 + [16384] * 3
+    assert sp["actor"].chunk == sp["old"].chunk == sp["ref"].chunk == 1024
+    assert not cfg.actor_rollout_ref.model.enable_gradient_checkpointing and not cfg.critic.model.enable_gradient_checkpointing
+    sp, cfg, label = specs("micro=8", "chunk=0", "checkpointing=on")
+    assert label == "config,micro=8,checkpointing=on,chunk=0"
+    assert [(sp[k].micro_size, sp[k].token_budget) for k in ("actor", "critic", "values", "ref", "old")] == \
+        [(8, None)] * 2 + [(16, None)] * 3
+    assert not any(s.chunk for s in sp.values()) and cfg.critic.model.enable_gradient_checkpointing
+    sp, _, label = specs()
+    assert label == "config" and sp["actor"].token_budget == 16384 and sp["actor"].chunk == 2048
+
+
+def test_ppo_gpu_profile_aggregate():
+    """The profile's kernel table and host-sync count from kineto's (name, on device, ns) events: device
+    events summed by name, runtime sync calls counted on the host side, device-side D2H copies apart."""
+    ppo_gpu = _ppo_gpu()
+    events = [("gemm", True, 3_000_000), ("gemm", True, 1_000_000), ("elementwise", True, 500_000),
+              ("Memcpy DtoH (Device -> Pageable)", True, 10_000), ("cudaStreamSynchronize", False, 1),
+              ("cudaStreamSynchronize", False, 1), ("cudaDeviceSynchronize", False, 1), ("aten::mm", False, 9e9),
+              ("cudaLaunchKernel", False, 5)]
+    top, syncs, device_ms = ppo_gpu.aggregate(events, top=2)
+    assert top == [dict(name="gemm", ms=4.0, calls=2), dict(name="elementwise", ms=0.5, calls=1)]
+    assert syncs == {"cudaStreamSynchronize": 2, "cudaDeviceSynchronize": 1, "Memcpy DtoH (device side)": 1}
+    assert device_ms == 4.51
+    flops = {"gen": 2e12, "update_actor": 6e12}
+    ph = ppo_gpu.phases({"timing_s/gen": 2.0, "timing_s/update_actor": 3.0, "timing_s/adv": 0.1, "timing_s/step": 8.0},
+                        flops, 1000.0, 1)
+    assert ph["gen"]["tflops"] == 1.0 and ph["update_actor"]["mfu"] == 2.0 / 1000 and ph["adv"]["mfu"] is None
+    assert ph["step"]["tflop"] == 8.0 and ph["step"]["mfu"] == 1.0 / 1000
 
 
 def test_gpu_check_reports_what_would_not_come_back(tmp_path):
