@@ -221,7 +221,8 @@ def compute_values(critic, batch, spec=Batching()):
 
 def loss_norm(mask, mode):
     """The mini-batch denominator of `agg_loss` (see nanokl/ppo.py): tokens or sequences."""
-    return mask.sum().float() if mode == "token-mean" else torch.tensor(float(mask.shape[0]), device=mask.device)
+    # torch.full, not torch.tensor: a fill on the device, not a blocking copy from the host
+    return mask.sum().float() if mode == "token-mean" else torch.full((), float(mask.shape[0]), device=mask.device)
 
 
 def _minibatches(n, mini_size, epochs, shuffle, generator):
