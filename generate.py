@@ -24,6 +24,12 @@ each row's responses by the synthetic preference of nanokl/supervised/preference
 stable sort: equal keys keep sampling order); with a .jsonl source name the task: `--rank TASK`.
 Rows left with fewer than two responses are then skipped, so a ranked file is DPO-ready.
 
+Refused in one line (exit 2) before the model loads: --n, --batch-size, --max-new-tokens below 1; no
+prompts, or an empty one (0 tokens once templated: `file:line` for a --prompts file); a prompt plus
+--max-new-tokens past the model's max_position_embeddings (config.json). Without --max-new-tokens a
+sample takes up to 128 new tokens, fewer where the longest prompt leaves less room (a note says so).
+An --out folder that cannot be written is refused first of all.
+
 Why some samples are dropped. The reader tokenizes a response's *text* (plus EOS if it ended),
 but a sampled token sequence need not be the canonical BPE tokenization of its decoded text
 (" 12" drawn as " 1" "2" where the merge gives " 12"); its log-probs would then belong to other
@@ -42,12 +48,14 @@ import torch
 from tqdm import tqdm
 
 from nanokl.harness.config_io import UserError, run_cli
-from nanokl.harness.data import DataError, _chat_prompt
-from nanokl.harness.hf_format import from_pretrained
+from nanokl.harness.data import DataError, Located, _chat_prompt, where_of
+from nanokl.harness.faults import check_writable
+from nanokl.harness.hf_format import from_pretrained, read_config
 from nanokl.graphs import generate
 from nanokl.harness.tokenizer import apply_template, load_tokenizer
 
 PASSED_THROUGH = ("ground_truth", "data_source", "reward_model")  # what the task's rule reads
+MAX_NEW_TOKENS = 128  # --max-new-tokens by default, or what the model's positions leave after the longest prompt
 
 
 def read_prompts(path):
@@ -55,11 +63,11 @@ def read_prompts(path):
     path = Path(path)
     if not path.is_file():
         raise UserError(f"prompts file {str(path)!r} does not exist")
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    lines = [(i, ln) for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]  # numbered as in the file
     if path.suffix != ".jsonl":
-        return [{"prompt": ln} for ln in lines]
+        return [Located({"prompt": ln}, f"{path}:{i}") for i, ln in lines]
     examples = []
-    for i, ln in enumerate(lines, 1):
+    for i, ln in lines:
         try:
             row = json.loads(ln)
             ex = {"prompt": row["prompt"] if "prompt" in row else row["question"]}
@@ -71,7 +79,7 @@ def read_prompts(path):
                 ex["system_prompt"] = system
         if not isinstance(ex["prompt"], str):
             raise DataError(f"{path}:{i}: the prompt must be a string or a list of chat messages")
-        examples.append(ex | {k: row[k] for k in PASSED_THROUGH if k in row})
+        examples.append(Located(ex | {k: row[k] for k in PASSED_THROUGH if k in row}, f"{path}:{i}"))
     return examples
 
 
@@ -103,6 +111,32 @@ def logged_row(ex, texts, ended, logprobs, temperature, task):
     return row
 
 
+def check_lengths(args, examples, lengths, model_kw, source) -> int:
+    """The new tokens per sample: --max-new-tokens, refused when the longest prompt plus it passes the model's
+    max_position_embeddings, or by default MAX_NEW_TOKENS capped to what the longest prompt leaves (said in
+    a note). An empty prompt (0 tokens once templated) is refused too: each in one line naming it."""
+    for i, (ex, n) in enumerate(zip(examples, lengths)):
+        if n == 0:
+            raise UserError(f"{where_of(ex, f'{source} prompt {i}')}: the prompt is empty "
+                            f"(0 tokens with --template {args.template})")
+    k = max(range(len(lengths)), key=lengths.__getitem__)
+    longest, most, cfg_file = lengths[k], model_kw["max_position_embeddings"], Path(args.model) / "config.json"
+    which = where_of(examples[k], source if len(examples) == 1 else f"{source} prompt {k}")
+    if args.max_new_tokens is None:
+        if longest >= most:
+            raise UserError(f"{cfg_file}: max_position_embeddings={most}, but {which} alone has {longest} tokens: "
+                            "no position is left for a response")
+        if most - longest < MAX_NEW_TOKENS:
+            print(f"note: --max-new-tokens {most - longest}: what max_position_embeddings={most} leaves after the "
+                  f"longest prompt ({longest} tokens)", file=sys.stderr)
+        return min(MAX_NEW_TOKENS, most - longest)
+    if longest + args.max_new_tokens > most:
+        fix = f"use --max-new-tokens {most - longest} or less" if longest < most else "shorten the prompt"
+        raise UserError(f"{cfg_file}: max_position_embeddings={most}, but {which} has {longest} tokens + "
+                        f"--max-new-tokens {args.max_new_tokens} = {longest + args.max_new_tokens} positions: {fix}")
+    return args.max_new_tokens
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="directory with config.json, model.safetensors, tokenizer.json")
@@ -119,18 +153,26 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"default {MAX_NEW_TOKENS}, or fewer: what max_position_embeddings leaves after the "
+                         "longest prompt")
     ap.add_argument("--template", default="plain", choices=["plain", "chatml"])
     ap.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    for flag, value in (("--n", args.n), ("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens),
+                        ("--num-prompts", args.num_prompts)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
     if args.task is None and (args.num_prompts is not None or args.config is not None):
         raise UserError("--num-prompts and --config go with --task")
     if args.rank is not None and args.out is None:
         raise UserError("--rank writes a ranking into the --out file: give --out")
     if args.out is not None and not args.out.endswith(".jsonl"):
         raise UserError(f"--out {args.out!r}: the logged-response file must end in .jsonl")
+    if args.out is not None:  # one line now, not a traceback once the model has loaded
+        check_writable(Path(args.out).parent, "--out")
 
     task = None
     if args.task is not None:
@@ -144,10 +186,17 @@ def main(argv=None):
         task = get_task(args.rank)
     rank_task = task if args.rank is not None else None
 
+    source = "--prompt" if args.prompt is not None else f"--task {args.task}" if args.task else f"{args.prompts}"
+    if not examples:
+        raise UserError(f"{source}: no prompts in it")
+    kw, _ = read_config(args.model)  # a missing or broken model directory: its one line, before anything else
+    tok = load_tokenizer(args.model)
+    prompts = [apply_template(ex["prompt"], args.template, ex.get("system_prompt")) for ex in examples]
+    max_new_tokens = check_lengths(args, examples, [len(ids) for ids in map(tok.encode_one, prompts)], kw, source)
+
     dev = torch.device(args.device)
     model = from_pretrained(args.model, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     model.eval()
-    tok = load_tokenizer(args.model)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     eos = torch.tensor(tok.eos_token_ids, device=dev)
     out_file = None
@@ -158,9 +207,8 @@ def main(argv=None):
     batches = range(0, len(examples), args.batch_size)
     for start in tqdm(batches, disable=len(batches) < 2 and out_file is None, desc="generate", file=sys.stderr):
         chunk = examples[start:start + args.batch_size]
-        ids, mask = tok.encode([apply_template(ex["prompt"], args.template, ex.get("system_prompt")) for ex in chunk],
-                               device=dev)
-        out = generate(model, ids, mask, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        ids, mask = tok.encode(prompts[start:start + args.batch_size], device=dev)
+        out = generate(model, ids, mask, max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, do_sample=args.temperature > 0, eos_token_id=tok.eos_token_ids,
                        pad_token_id=tok.pad_token_id, generator=gen, n=args.n)
         texts = tok.batch_decode(out.responses, out.response_mask)

@@ -25,7 +25,9 @@ prompts' responses disagree), `run.old_log_probs` recomputes (or takes the rollo
 is the fp32 actor itself: bypass), `run.correct` weighs and rejects tokens another policy sampled,
 `run.baselines` rolls out greedily for ReMax, and so on; setup chooses each once
 (nanokl/harness/variants.py). DPO is another algorithm (no score, no advantages, a pair loss):
-`dpo_step`. `main` is the loop around them. Everything that is not the step (models, resume,
+`dpo_step`. `main` is the loop around them; a reward function that fails in a step
+(reward_fn.RewardError) ends it with a checkpoint of the steps done (exit 1), and Ctrl-C with one of
+the step it finishes (exit 130, harness/faults.py). Everything that is not the step (models, resume,
 checkpoints, validation, the KL monitor's warn/stop/rollback, logging) is the harness:
 nanokl/harness/run.py. Under torchrun each process takes a slice of the prompts and the reductions
 are global (nanokl/dist.py), so the logged numbers do not depend on the number of processes.
@@ -37,10 +39,14 @@ import time
 import torch
 
 from nanokl import dist, dpo, workers
+from nanokl.harness.checkpoint import rng_state, set_rng_state
 from nanokl.harness.config import parse_cli, run_cli
 from nanokl.harness.data import rank_rows
+from nanokl.harness.faults import INTERRUPTED, check_writable
 from nanokl.harness.metrics import step_metrics, timer
+from nanokl.harness.reward_fn import RewardError
 from nanokl.harness.run import TrainingStopped, end_step, finish, setup, steps
+from nanokl.harness.run_state import save
 from nanokl.harness.scoring import score_batch
 
 
@@ -84,11 +90,14 @@ def ppo_step(run, step) -> dict:
         rewards, kl_metrics = run.kl_reward(run, batch, scores)
         metrics.update(kl_metrics)
         # 5. advantages: GAE with the critic (whitened over all ranks), or a baseline (the group; remax: greedy),
-        #    over the tokens step 3 kept (verl's compute_advantage reads the mask rollout_rs rewrote)
+        #    over the tokens step 3 kept (verl's compute_advantage reads the mask rollout_rs rewrote); an outcome
+        #    score is still the sum over the rollout's tokens (score_mask), as verl sums the whole row: a rejected
+        #    last token takes no response's score away
         index = torch.arange(len(rows)).repeat_interleave(ro.n)  # the prompt of each response
         batch["advantages"], batch["returns"] = run.estimator.fn(rewards, batch["response_mask"], batch["values"], index,
                                                                  alg, dist.all_reduce_moments,
-                                                                 baselines=run.baselines(run, examples, metrics))
+                                                                 baselines=run.baselines(run, examples, metrics),
+                                                                 score_mask=out.response_mask)
 
     # 6. update: critic first (verl's order), then the actor once critic_warmup has passed
     update = run.update_critic(run, batch, shuffle, metrics)
@@ -137,24 +146,61 @@ def dpo_step(run, step) -> dict:
     return metrics
 
 
-def main(argv=None):
-    run = setup(parse_cli(argv))  # models, optimizers, KL controllers, data; resumes a checkpoint if any
+def reward_stop(run, done, error, before_commit=None):
+    """A reward function failed (reward_fn.RewardError, on every rank): checkpoint the `done` steps, as the
+    NaN stop does, and stop with one line naming the function, the row and the checkpoint (exit 1)."""
+    path = save(run, done, healthy=False, before_commit=before_commit)
+    run.ended = (f"reward function error in step {done + 1}" if before_commit is None else
+                 f"reward function error in the validation after step {done}")
+    finish(run)
+    if before_commit is None:  # in the step: its update had not happened, and the resume runs it again
+        raise TrainingStopped(f"stopped in step {done + 1}: {error}; checkpoint saved to {path} (the {done} steps "
+                              f"done: the same command resumes there and runs step {done + 1} again)") from None
+    raise TrainingStopped(f"stopped in the validation after step {done}: {error}; checkpoint saved to {path} "
+                          "(the same command resumes after that step)") from None
+
+
+def main(argv=None) -> int:
+    """The run; its exit status (0, or 130 when Ctrl-C stopped it after a step and its checkpoint)."""
+    cfg = parse_cli(argv)
+    for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):  # one line now, not a traceback later
+        if getattr(cfg.trainer, key):
+            check_writable(getattr(cfg.trainer, key), f"trainer.{key}")
+    run = setup(cfg)  # models, optimizers, KL controllers, data; resumes a checkpoint if any
     step_fn = ppo_step if run.cfg.actor_rollout_ref.actor.loss_mode == "ppo" else dpo_step
     for step in steps(run):
-        metrics = step_fn(run, step)
-        if not end_step(run, step, metrics):  # validate, guard, monitor, checkpoint, log
+        # as the step starts: what a checkpoint of the steps before it holds (ReMax scores again after beta moved)
+        rng, ctrls = rng_state(), (run.kl_ctrl.state_dict(), run.kl_loss_ctrl.state_dict())
+        try:
+            metrics = step_fn(run, step)
+        except RewardError as e:  # no update happened: save the steps done, and the resume redoes this one
+            set_rng_state(rng)
+            run.kl_ctrl.load_state_dict(ctrls[0])
+            run.kl_loss_ctrl.load_state_dict(ctrls[1])
+            reward_stop(run, step, e)
+        try:
+            go_on = end_step(run, step, metrics)  # validate, guard, monitor, checkpoint, log
+        except RewardError as e:  # in the validation after the update: the step is done, its row logged with it
+            reward_stop(run, step + 1, e, before_commit=lambda: run.tracker.log(metrics, step=step + 1))
+        if not go_on:
             break
     finish(run)  # close the tracker; rank 0 prints the run's summary and writes summary.json
+    interrupted = run.ended is not None and run.preempt is not None and run.preempt.signal == "SIGINT"
+    return INTERRUPTED if interrupted else 0
 
 
 def cli():
     status = 0
     try:
-        run_cli(main)
+        status = run_cli(main) or 0
     except TrainingStopped as e:  # every rank stops; one says why
         if dist.rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         status = 1
+    except KeyboardInterrupt:  # Ctrl-C outside the steps (setup, the first validation): no step to finish
+        if dist.rank() == 0:
+            print("error: interrupted (Ctrl-C) outside the training steps: no step was running", file=sys.stderr)
+        status = INTERRUPTED
     dist.destroy()  # after main returned, so its DDP/FSDP models are already released
     sys.exit(status)
 

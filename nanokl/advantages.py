@@ -24,6 +24,16 @@ response by Σ_t r_t over its real tokens, selected (nanokl/masked.py), so a NaN
 mask cannot leak; every estimator but GAE returns exact zeros under the mask. Where they differ
 from verl: README, 'Where nanokl differs from verl'.
 
+Two masks. Rejection (rollout_rs, nanokl/offline.py) takes tokens out of response_mask, possibly
+the last one, which carries the response's score. verl's outcome estimators (GRPO, RLOO,
+REINFORCE++-baseline, pass@k) sum token_level_rewards over the whole row and use the mask only to
+place the advantage on tokens, so a response keeps its score whatever was rejected. Here the step
+passes the rollout's mask as `score_mask`: the score is Σ_t r_t over those tokens, the advantage
+lands on response_mask's (kept) tokens, and REINFORCE++-baseline whitens over the kept tokens, as
+verl. GAE, REINFORCE++ and ReMax run over response_mask alone, as verl's do: the reward on a
+rejected token is dropped (a rejected last token's score too: the kept tokens before it see a
+return without it, as the episode ended there). Without rejection the two masks are equal.
+
 Whitening across ranks. GAE whitens its advantages over the batch. In a distributed run each rank
 holds a shard, and whitening with local statistics would make training depend on the number of
 GPUs, so GAE and both REINFORCE++ variants whiten with moments (Σx, Σx², n) summed over ranks
@@ -172,13 +182,15 @@ def group_ids(index, scores):
 
 @torch.no_grad()
 def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
-                                   norm_adv_by_std=True, eps=1e-6):
+                                   norm_adv_by_std=True, eps=1e-6, score_mask=None):
     """GRPO group-relative advantages [batch, response_len]; returns == advantages.
 
     index: one hashable prompt id per row (list, numpy array or tensor); rows with equal ids
         form a group.
+    score_mask: the tokens whose rewards sum to each score (the rollout's mask, before rejection);
+        None: response_mask. The advantages sit on response_mask's tokens.
     """
-    scores = sequence_scores(token_level_rewards, response_mask)
+    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
     gid, n_groups = group_ids(index, scores)
     zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, gid, torch.ones_like(scores))
@@ -198,10 +210,11 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
 
 
 @torch.no_grad()
-def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index):
+def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, score_mask=None):
     """RLOO advantages [batch, response_len]: score minus the mean score of the other responses to
-    the same prompt (`index`: one id per row); a lone response keeps its score. returns == advantages."""
-    scores = sequence_scores(token_level_rewards, response_mask)
+    the same prompt (`index`: one id per row); a lone response keeps its score. returns == advantages.
+    score_mask: as in GRPO."""
+    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
     gid, n_groups = group_ids(index, scores)
     zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, gid, torch.ones_like(scores))[gid]
@@ -229,10 +242,11 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_
 
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
-                                                           whiten_stats=None):
+                                                           whiten_stats=None, score_mask=None):
     """REINFORCE++-baseline: (score − its group's mean; a lone response keeps its score) on every
-    real token, whitened over the real tokens. returns == advantages."""
-    scores = sequence_scores(token_level_rewards, response_mask)
+    real token, whitened over the real tokens. returns == advantages. score_mask: as in GRPO (the
+    whitening reads response_mask)."""
+    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
     gid, n_groups = group_ids(index, scores)
     zeros = scores.new_zeros(n_groups)
     count = zeros.index_add(0, gid, torch.ones_like(scores))
@@ -256,10 +270,10 @@ def compute_remax_outcome_advantage(token_level_rewards, response_mask, baseline
 
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index, norm_adv_by_std=True,
-                                         eps=1e-6):
+                                         eps=1e-6, score_mask=None):
     """GRPO pass@k: the best response of each group gets r_max − r_second (÷ (std + eps) with
-    norm_adv_by_std, unbiased std), the others 0. returns == advantages."""
-    scores = sequence_scores(token_level_rewards, response_mask)
+    norm_adv_by_std, unbiased std), the others 0. returns == advantages. score_mask: as in GRPO."""
+    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
     gid, n_groups = group_ids(index, scores)
     adv = torch.zeros_like(scores)
     for g in range(n_groups):
@@ -278,11 +292,14 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, ind
 # The table train_ppo.py reads: name -> how to call it, whether it needs a critic, whether it
 # compares the responses to one prompt (then rollout.n > 1 and a prompt's responses stay on one
 # rank), whether it needs the greedy baseline rollout. Every entry is called the same way:
-#     fn(token_level_rewards, response_mask, values, index, alg, whiten_stats, baselines=None)
-#         -> (advantages, returns)
+#     fn(token_level_rewards, response_mask, values, index, alg, whiten_stats, baselines=None,
+#        score_mask=None) -> (advantages, returns)
+# response_mask: the tokens the advantages (and GAE, REINFORCE++, ReMax) run over, after rejection;
 # values: the critic's [N, R] (None without one); index: the prompt id of each row; alg: the
 # config's `algorithm` section; whiten_stats: the cross-rank moment reduction; baselines: [N], the
-# score of a greedy response to each row's prompt, only read (and then required) by remax.
+# score of a greedy response to each row's prompt, only read (and then required) by remax;
+# score_mask: the rollout's mask, whose tokens' rewards sum to each response's score in the outcome
+# estimators (grpo, rloo, reinforce_plus_plus_baseline, grpo_passk; None: response_mask). See 'Two masks'.
 # ---------------------------------------------------------------------------------------------
 
 class Estimator(NamedTuple):
@@ -292,37 +309,44 @@ class Estimator(NamedTuple):
     needs_greedy_baseline: bool = False  # the step must roll out greedily and pass the scores as `baselines`
 
 
-def _gae(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+def _gae(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
+         score_mask=None):
     return compute_gae_advantage_return(token_level_rewards, values, response_mask, alg.gamma, alg.lam, whiten_stats)
 
 
-def _grpo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
-    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, alg.norm_adv_by_std_in_grpo)
+def _grpo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
+          score_mask=None):
+    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, alg.norm_adv_by_std_in_grpo,
+                                          score_mask=score_mask)
 
 
-def _rloo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
-    return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+def _rloo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
+          score_mask=None):
+    return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, score_mask)
 
 
-def _reinforce_pp(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+def _reinforce_pp(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
+                  score_mask=None):
     return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, alg.gamma, whiten_stats)
 
 
 def _reinforce_pp_baseline(token_level_rewards, response_mask, values, index, alg, whiten_stats=None,
-                           baselines=None):
+                           baselines=None, score_mask=None):
     return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
-                                                                  whiten_stats)
+                                                                  whiten_stats, score_mask)
 
 
-def _remax(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+def _remax(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
+           score_mask=None):
     if baselines is None:
         raise ValueError("remax needs `baselines`: the scores of a greedy rollout of each row's prompt")
     return compute_remax_outcome_advantage(token_level_rewards, response_mask, baselines)
 
 
-def _grpo_passk(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None):
+def _grpo_passk(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
+                score_mask=None):
     return compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index,
-                                                alg.norm_adv_by_std_in_grpo)
+                                                alg.norm_adv_by_std_in_grpo, score_mask=score_mask)
 
 
 ESTIMATORS = {

@@ -11,6 +11,9 @@ never stopped, a checkpoint holds everything the next step reads:
                             full and keyed by parameter name; under torchrun only rank 0 reads it
     trainer_state.pt        global step, the KL controller's beta, and every RNG state (torch CPU,
                             CUDA, and the rollout sampler's generator)
+    run.json                what the run was started with: the config (paths absolute), the SHA-256
+                            of the model's tokenizer.json, its config.json's shapes. A resume that
+                            differs stops before loading anything (nanokl/harness/run_state.py)
 
 The data position needs no file: batches are a pure function of (seed, step) (nanokl/harness/data.py).
 With all of it restored, "4 steps straight" and "2 steps, stop, resume, 2 steps" produce
@@ -40,6 +43,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from nanokl.harness.config_io import UserError
 from nanokl.harness.faults import checkpoint_bytes
@@ -47,6 +51,7 @@ from nanokl.harness.hf_format import save_pretrained
 
 POINTER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
+RECORD = "run.json"  # what the run was started with (model, tokenizer, shapes, config): read_record
 
 
 def _sha256(path) -> str:
@@ -114,12 +119,15 @@ class CheckpointWriteError(Exception):
 
 
 def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_state: dict, tokenizer=None,
-                    keep=None) -> Path:
+                    keep=None, record: dict | None = None, before_commit=None) -> Path:
     """Write checkpoint `global_step_{step}` atomically; keep only the newest `keep` if given.
 
     models: name -> module, or name -> (module, full state dict) when the weights were gathered
     from shards (saved HF-format under name/); optim_state: name -> state_dict; trainer_state:
-    plain values and tensors (step, KL controller, RNG states, ...). Raises CheckpointWriteError,
+    plain values and tensors (step, KL controller, RNG states, ...); record: what the run was started
+    with, written as run.json (a resume compares it: nanokl/harness/run_state.py); before_commit: called
+    once everything is written, before the rename that commits it (the run logs the step's metrics
+    row there, so that no checkpoint exists without its row). Raises CheckpointWriteError,
     with nothing of the new checkpoint left on disk, when the free space is short of its size or
     the write fails."""
     root = Path(run_dir) / "checkpoints"
@@ -140,8 +148,13 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
             tokenizer.save(tmp / "actor")
         torch.save(optim_state, tmp / "optim.pt")
         torch.save({**trainer_state, "global_step": step}, tmp / "trainer_state.pt")
+        if record is not None:
+            (tmp / RECORD).write_text(json.dumps(record, indent=1) + "\n")
         write_manifest(tmp)  # last: a directory with a manifest was written whole
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        if before_commit is not None:
+            before_commit()
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch.save reports a failed write as a RuntimeError,
+        # safetensors as its own SafetensorError ("Error while serializing: IoError(... StorageFull ...)")
         shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint is untouched
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise CheckpointWriteError(f"checkpoint not written to {tmp}: {why} (it needs {need:,} bytes; "
@@ -220,3 +233,17 @@ def load_state(path, read_optim=True) -> tuple[dict | None, dict]:
     if not isinstance(trainer, dict) or "global_step" not in trainer:
         raise UserError(f"{path / 'trainer_state.pt'}: not a nanokl trainer state")
     return optim, trainer
+
+
+def read_record(ckpt) -> dict | None:
+    """The record of what the run that wrote checkpoint `ckpt` was started with (its run.json), or None
+    for a checkpoint written before nanokl kept one. An unreadable one is a one-line UserError."""
+    path = Path(ckpt) / RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        assert isinstance(record, dict) and isinstance(record.get("config"), dict)
+    except (ValueError, AssertionError, UnicodeDecodeError, RecursionError):
+        raise UserError(f"{path}: unreadable (not the JSON record nanokl writes)") from None
+    return record

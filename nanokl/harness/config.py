@@ -358,9 +358,14 @@ class TrainerConfig(VerlTrainerKeys):
     test_freq: int = -1  # validate every this many steps; -1: never during training
     val_before_train: bool = True  # validate once before the first step
     critic_warmup: int = 0  # steps training only the critic before the actor moves
-    default_local_dir: str = "runs/nanokl"  # where checkpoints and logs go
+    # where checkpoints and logs go: one run per folder (a lock, nanokl/harness/run_state.py). verl's default;
+    # ${trainer.project_name} and ${trainer.experiment_name} are filled in when the config is built
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # latest checkpoint, none, or resume_from_path
     resume_from_path: Optional[str] = None  # checkpoint dir for resume_mode: resume_path
+    # nanokl-only: keys a resume may change although they change the result (a dotted key or a section; and
+    # "tokenizer", "model_shapes"): a resume that differs otherwise stops with one line naming what (run_state.py)
+    resume_allow_changes: list[str] = field(default_factory=list)
     max_actor_ckpt_to_keep: Optional[int] = None  # delete older checkpoints beyond this many; None: keep all
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     seed: int = 42  # seeds torch, numpy and python's random
@@ -369,6 +374,11 @@ class TrainerConfig(VerlTrainerKeys):
     # check on offline runs' importance-weighted estimate (harness/scoring.py); 0: off
     val_kl_prompts: int = 0
     kl_monitor: KLMonitorConfig = field(default_factory=KLMonitorConfig)
+
+    def __post_init__(self):  # verl's interpolations in default_local_dir (its default is one)
+        if isinstance(self.default_local_dir, str):
+            self.default_local_dir = self.default_local_dir.replace("${trainer.project_name}", self.project_name) \
+                .replace("${trainer.experiment_name}", self.experiment_name)
 
 
 @dataclass

@@ -16,7 +16,9 @@ The pipeline, in the order `config.load_config` runs it:
    type against the annotations: an unknown key names the closest valid ones, a wrong type
    names the expected type. The few coercions are the ones that cannot surprise anybody:
    int -> float, a list -> a tuple field, and a string that spells a float -> float, because
-   PyYAML follows YAML 1.1, in which `1e-6` (no dot) is a *string*.
+   PyYAML follows YAML 1.1, in which `1e-6` (no dot) is a *string*. An infinite or NaN value
+   (`.inf`, `.nan`, `inf`) is refused for every float key, whatever the key: none means it.
+   An empty file (nothing, or only comments) is refused too, naming it: it would run the defaults.
 
 Along the way we keep `origins`, a dict from dotted key to where it was last set
 ("configs/arith_tiny.yaml:12" or "argument 'a.b=1'"). Line numbers come from `yaml.compose`,
@@ -32,6 +34,7 @@ traceback, because a typo in a config is the user's to fix, not a bug to debug.
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -70,6 +73,10 @@ class ConfigError(UserError, ValueError):
 
     def __str__(self):
         return f"{self.where}: {self.message}" if self.where else self.message
+
+
+class NotFinite(ConfigError):
+    """An infinite or NaN value for a float key (refused for every one of them, by `coerce`)."""
 
 
 def run_cli(main, *args, **kwargs):
@@ -122,8 +129,9 @@ def read_yaml(path: str) -> tuple[dict, dict]:
         raise ConfigError(f"YAML syntax error: {problem}", where=where) from None
     except RecursionError:  # PyYAML composes nested collections recursively
         raise ConfigError("YAML nested too deeply", where=path) from None
-    if data is None:
-        return {}, {}
+    if data is None:  # nothing, blank lines, comments or a bare `~`: it would silently run the defaults
+        raise ConfigError("empty config file: it sets no key (write the sections it changes, or leave "
+                          "--config out to run the defaults)", where=path)
     if not isinstance(data, dict):
         raise ConfigError(f"the top level must be a mapping of sections, got {type(data).__name__}",
                           where=f"{path}:1")
@@ -324,6 +332,8 @@ def coerce(value, tp, key: str, universe: list[str] | None = None):
             if arm is not type(None):
                 try:
                     return coerce(value, arm, key, universe)
+                except NotFinite:
+                    raise  # the arm that took the number says why it is refused
                 except ConfigError as e:
                     if _same_kind(value, arm) and any(typing.get_origin(a) in (list, tuple) for a in args):
                         raise  # a name-or-list key (trainer.logger): the matching arm's error names the bad item
@@ -349,16 +359,21 @@ def coerce(value, tp, key: str, universe: list[str] | None = None):
     if tp is int and isinstance(value, int) and not isinstance(value, bool):  # True is not 1 here
         return value
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
-                return float(value)
+                number = float(value)
             except OverflowError:  # an int past float's range (~1.8e308): refused below
                 pass
         if isinstance(value, str):  # YAML 1.1 reads `1e-6` as a string; take it as the float it spells
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # `.inf`, `.nan`, "inf": no knob means it, and each fails steps later
+                raise NotFinite(f"{key} must be a finite number, got {value!r}", keys=key)
+            return number
     if tp is str and isinstance(value, str):
         return value
     hint = " (quote it to make it a string)" if tp is str and isinstance(value, (int, float)) else ""

@@ -3,14 +3,17 @@
 `resolve` fills every key whose None means "derived from another key" (verl writes these as
 `${...}` interpolations, e.g. `clip_ratio_low: ${clip_ratio}`), once, at load time, so the
 training code reads `actor.clip_ratio_low` and never re-derives it. `validate` then rejects
-values that are wrong in *every* run (not merely unusual): non-positive sizes, ratios outside
-their ranges, mini-batches that do not divide the batch, GRPO with one sample per prompt, ...
+values that are wrong in *every* run (not merely unusual): an infinite or NaN float anywhere,
+non-positive sizes, ratios outside their ranges, mini-batches that do not divide the batch, GRPO
+with one sample per prompt, ...
 Each rejection is a one-line `ConfigError` naming the dotted key (config_io adds the file and
 line that set it). tests/test_config.py checks every rule against a config that breaks it.
 """
 
+import dataclasses
 import difflib
 import functools
+import math
 
 from nanokl.harness.config_io import ConfigError
 from nanokl.harness.monitor import CHECKS, KNOBS
@@ -234,8 +237,26 @@ def _check_dapo_and_correction(cfg):
                           f"algorithm.use_kl_in_reward", keys=(KP + "enable", "algorithm.use_kl_in_reward"))
 
 
+def _check_finite(section, prefix=""):
+    """Every float of the config tree (lists of them included) finite. config_io refuses `.inf` and `.nan`
+    where a file or an argument sets them; this catches one set in code, or derived by `resolve`."""
+    for f in dataclasses.fields(section):
+        key, value = prefix + f.name, getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key + ".")
+            continue
+        stack = [(key, value)]
+        while stack:
+            k, v = stack.pop()
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{k} must be a finite number, got {v!r}", keys=k)
+            if isinstance(v, (list, tuple)):
+                stack.extend((f"{k}[{i}]", x) for i, x in enumerate(v))
+
+
 def validate(cfg):
     """Reject values that are wrong in every run (not merely unusual). Run after `resolve`."""
+    _check_finite(cfg)
     for key, names in _owned_names():
         value = _get(cfg, key)
         if value not in names and not (key == "data.task" and value is None):  # None: by data_source

@@ -32,6 +32,13 @@ This module holds what does not depend on the task:
    data.filter_overlong_prompts: the prompts longer than data.max_prompt_length once rendered are
    dropped when the data load, as verl's RLHFDataset drops them, and the count is said once.
 
+4. Checks when the data load (`check_loaded`, called once by setup): the model's
+   max_position_embeddings against data.max_prompt_length + the response length; every prompt
+   non-empty and, with data.truncation=error, within data.max_prompt_length; every ground truth
+   read by its task's rule (reward_fn.check_truths). Each failure is one line naming the file:line
+   of the first bad row (examples read from files are `Located`: they carry it), where a step
+   would stop steps later, by the row's place in its batch, or not at all.
+
 tests/test_data.py checks: verl rows (JSONL, JSON array, Parquet, renamed keys) parse; bad rows
 name file and line; batches cover each index once per epoch and are a pure function of the
 step; templated prompts round-trip through the tokenizer; filter_overlong keeps exactly what fits.
@@ -52,6 +59,31 @@ from nanokl.harness.tokenizer import apply_template
 
 class DataError(UserError):
     """A malformed data file or row; the message starts with `file:line` (or `file:row i`)."""
+
+
+class Located(dict):
+    """An example that remembers the `file:line` it was read from (`where`), so that a check made after
+    loading (the prompt's length, the ground truth: `check_loaded`) can name it. Equal to, and shown as,
+    the plain dict; a copy made with {**ex} or a comprehension is a plain dict again."""
+    __slots__ = ("where",)
+
+    def __init__(self, example, where: str):
+        super().__init__(example)
+        self.where = where
+
+    def __reduce__(self):  # pickles (and deep-copies) with its place
+        return Located, (dict(self), self.where)
+
+
+def where_of(ex, fallback: str) -> str:
+    """The `file:line` an example was read from, or `fallback` (an example a task made itself)."""
+    return getattr(ex, "where", None) or fallback
+
+
+def without(ex: dict, key: str) -> dict:
+    """`ex` less one field, keeping where it was read from."""
+    rest = {k: v for k, v in ex.items() if k != key}
+    return Located(rest, ex.where) if isinstance(ex, Located) else rest
 
 
 def row_field(row: dict, name: str, types, where: str):
@@ -195,7 +227,7 @@ def read_examples(path_or_paths, to_example) -> list[dict]:
         if not p.is_file():
             raise UserError(f"data file not found: {p}")
         before = len(examples)
-        examples += [to_example(row, where) for where, row in read_rows(p)]
+        examples += [Located(to_example(row, where), where) for where, row in read_rows(p)]
         if len(examples) == before:
             raise DataError(f"{p}: no examples in the file")
     return examples
@@ -262,9 +294,14 @@ def build_prompts(examples, tokenizer, template: str = "plain", max_length: int 
 def filter_overlong(examples, tokenizer, template: str, max_length: int,
                     system_prompt: str | None = None) -> list[dict]:
     """The examples whose templated prompt fits in `max_length` tokens (data.filter_overlong_prompts)."""
-    texts = [prompt_text(ex, tokenizer, template, system_prompt) for ex in examples]
-    lengths = [len(e.ids) for e in tokenizer.tok.encode_batch(texts, add_special_tokens=False)]
+    lengths = prompt_lengths(examples, tokenizer, template, system_prompt)
     return [ex for ex, n in zip(examples, lengths) if n <= max_length]
+
+
+def prompt_lengths(examples, tokenizer, template: str, system_prompt: str | None = None) -> list[int]:
+    """Each example's templated prompt, in tokens (as build_prompts encodes it)."""
+    texts = [prompt_text(ex, tokenizer, template, system_prompt) for ex in examples]
+    return [len(e.ids) for e in tokenizer.tok.encode_batch(texts, add_special_tokens=False)]
 
 
 def drop_overlong(examples, tokenizer, data, what: str, say=print) -> list[dict]:
@@ -277,3 +314,54 @@ def drop_overlong(examples, tokenizer, data, what: str, say=print) -> list[dict]
         raise UserError(f"data.filter_overlong_prompts dropped every {what} prompt: none fits in "
                         f"data.max_prompt_length={data.max_prompt_length} tokens")
     return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Checks when the data load: what would otherwise stop the run steps later
+# ---------------------------------------------------------------------------------------------
+
+def check_prompts(examples, tokenizer, data, what: str) -> None:
+    """Every prompt of one split (`what`: "training" or "validation") has at least one token once
+    templated and, with data.truncation=error, at most data.max_prompt_length: else a DataError naming
+    the file:line of the first that does not (a step would refuse it only when its batch came up, by its
+    place in the batch). Under filter_overlong_prompts the long ones were dropped already."""
+    lengths = prompt_lengths(examples, tokenizer, data.prompt_template)
+    limit = data.max_prompt_length if data.truncation == "error" and not data.filter_overlong_prompts else None
+    for i, (ex, n) in enumerate(zip(examples, lengths)):
+        where = where_of(ex, f"{what} example {i} (data.task={data.task})")
+        if n == 0:
+            raise DataError(f"{where}: the prompt is empty (0 tokens in data.prompt_template={data.prompt_template})")
+        if limit is not None and n > limit:
+            raise DataError(f"{where}: the {what} prompt has {n} tokens, over data.max_prompt_length={limit} "
+                            "(set data.filter_overlong_prompts=true to drop such prompts, or "
+                            "data.truncation=left|right to cut them)")
+
+
+def check_positions(model_path, prompt_length: int, response_length: int, lengths: str) -> None:
+    """prompt + response tokens within the model's max_position_embeddings (its config.json), else a
+    UserError naming the file: past it the positions are ones the model never saw (RoPE runs on, silently).
+    `lengths` says where the two numbers come from,
+    e.g. "data.max_prompt_length (24) + data.max_response_length (32)"."""
+    from nanokl.harness.hf_format import read_config  # torch-heavy: only when a run checks
+    kw, _ = read_config(model_path)
+    most = kw["max_position_embeddings"]
+    if prompt_length + response_length > most:
+        raise UserError(f"{Path(model_path) / 'config.json'}: max_position_embeddings={most}, but {lengths} = "
+                        f"{prompt_length + response_length} positions: shorten them, or use a model with more "
+                        "positions")
+
+
+def check_loaded(cfg, tokenizer, train, val) -> None:
+    """What setup checks once the examples are loaded, before any model is: the model's positions against
+    the configured lengths, every prompt's length (check_prompts) and every ground truth read by its task's
+    rule (reward_fn.check_truths). Each failure is one line naming the file:line or the key."""
+    from nanokl.harness.reward_fn import check_truths  # it imports the tasks, which import this module
+    d, ro = cfg.data, cfg.actor_rollout_ref.rollout
+    response = f"data.max_response_length ({ro.response_length})" if ro.response_length == d.max_response_length \
+        else f"actor_rollout_ref.rollout.response_length ({ro.response_length})"
+    check_positions(cfg.actor_rollout_ref.model.path, d.max_prompt_length, ro.response_length,
+                    f"data.max_prompt_length ({d.max_prompt_length}) + {response}")
+    splits = [("validation", val)] if d.offline_files else [("training", train), ("validation", val)]
+    for what, examples in splits:  # offline: the logged rows are the training prompts, read (and checked) apart
+        check_prompts(examples, tokenizer, d, what)
+        check_truths(cfg, examples, what)

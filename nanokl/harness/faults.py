@@ -9,34 +9,43 @@ step it is in, writes a checkpoint, says so, and exits with status 0. Rerunning 
 resumes from that checkpoint (trainer.resume_mode=auto) and ends bit-identical to a run that was
 never stopped: no work is lost. Under torchrun the signal may reach the ranks at different
 moments, so after every step they agree on it with one all-reduce (max) of the flag: all stop
-after the same step, or none does. A second signal while the first is being honoured restores
-the default handler, so an impatient second Ctrl-C still kills.
+after the same step, or none does. Ctrl-C (SIGINT) takes the same path (the step finishes, a
+checkpoint is written) and ends with status 130, the shell's code for an interrupt, where a
+KeyboardInterrupt would lose the step. A second signal while the first is being honoured restores
+the default handler, so an impatient second Ctrl-C still kills at once.
 
 A crashed rank. torchrun --max-restarts=N restarts every process of the job when one dies; each
 resumes from the newest checkpoint that verifies. Work since that checkpoint is redone, and
 metrics.jsonl drops the rows logged after it (nanokl/harness/tracking.py).
 
 A full disk. A checkpoint is written only when the free space covers its estimated size
-(`checkpoint_bytes`: every tensor's bytes); a write that fails anyway (ENOSPC, a quota) removes its
-temporary directory, leaves the previous checkpoint untouched, and ends the run with one line
-naming the directory and the bytes it needed.
+(`checkpoint_bytes`: every tensor's bytes); a write that fails anyway (ENOSPC, a quota, safetensors'
+SafetensorError wrapping either) removes its temporary directory, leaves the previous checkpoint
+untouched, and ends the run with one line naming the directory and the bytes it needed. An output
+folder that cannot be written at all (read-only, a path through a file) is one line before anything
+runs (`check_writable`).
 
 Fault injection (tests only). NANOKL_FAULT="kind@step[:rank]" fires at the start of global step
 `step` on rank `rank` (default 0), only in the first attempt of a torchrun job (so a restarted
-job runs clean): `sigterm` / `sigusr1` / `sigkill` send that signal to the process itself, `crash`
+job runs clean): `sigterm` / `sigusr1` / `sigint` / `sigkill` send that signal to the process itself, `crash`
 ends it at once with os._exit(13), as a segfault would. Several faults: separate
 them with commas. tests/test_faults.py uses it.
 """
 
 import contextlib
+import errno
 import os
 import signal
+import tempfile
+from pathlib import Path
 
 import torch
 
 from nanokl import dist
+from nanokl.harness.config_io import UserError
 
-SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1}
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGINT": signal.SIGINT}
+INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), once the step is finished and saved
 
 
 class Preemption:
@@ -53,7 +62,8 @@ class Preemption:
 
 @contextlib.contextmanager
 def catch_preemption():
-    """SIGTERM / SIGUSR1 -> a flag on the yielded Preemption, while the block runs; then the old handlers."""
+    """SIGTERM / SIGUSR1 / SIGINT -> a flag on the yielded Preemption, while the block runs; then the old
+    handlers. A second one restores the default handler and re-sends itself: it kills at once."""
     flag = Preemption()
 
     def handler(signum, frame):
@@ -79,8 +89,10 @@ def parse_faults(spec: str) -> list[tuple[str, int, int]]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         kind, _, where = part.partition("@")
         step, _, rank = where.partition(":")
-        if kind not in ("sigterm", "sigusr1", "sigkill", "crash") or not step.isdigit() or (rank and not rank.isdigit()):
-            raise ValueError(f"NANOKL_FAULT: cannot read {part!r} (kind@step[:rank], kind sigterm|sigusr1|sigkill|crash)")
+        if kind not in ("sigterm", "sigusr1", "sigint", "sigkill", "crash") or not step.isdigit() or \
+                (rank and not rank.isdigit()):
+            raise ValueError(f"NANOKL_FAULT: cannot read {part!r} "
+                             "(kind@step[:rank], kind sigterm|sigusr1|sigint|sigkill|crash)")
         out.append((kind, int(step), int(rank or 0)))
     return out
 
@@ -95,6 +107,26 @@ def inject(step: int, rank: int):
             if kind == "crash":
                 os._exit(13)
             os.kill(os.getpid(), getattr(signal, kind.upper()))
+
+
+def check_writable(folder, what: str) -> None:
+    """A one-line UserError, before anything runs, when files cannot be written into `folder` (`what`
+    names the setting that chose it): a read-only file system or folder, a path through a regular file.
+    Creates nothing: a test file is made and removed in the folder, or, while it does not exist yet, in its
+    nearest existing parent (where it would be created)."""
+    folder = Path(folder)
+    there = folder
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    try:
+        if not there.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        fd, probe = tempfile.mkstemp(prefix=".nanokl_write_check_", dir=there)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        why = (e.strerror or str(e)) + ("" if there == folder else f": {there}")
+        raise UserError(f"{what}={folder}: cannot write there ({why})") from None
 
 
 def checkpoint_bytes(*trees) -> int:

@@ -12,16 +12,20 @@ below read and update; no trainer class hierarchy.
                                    examples; the warm start / reward model trained first when
                                    missing; the reference's storage test and its probe
                                    (harness/ref_check.py); resume from the latest checkpoint
-                                   (trainer.resume_mode)
+                                   (trainer.resume_mode), once it matches what this run starts
+                                   with; the folder locked for this run, an earlier run's files
+                                   set aside when it starts over (harness/run_state.py)
     for step in steps(run):
         metrics = ppo_step(run, step)
         if not end_step(run, step, metrics):     validation every test_freq, the NaN guard, the
             break                                KL monitor (warn, adjust, stop, roll back), the
                                                  reference check every ref_check_freq steps,
                                                  checkpoint every save_freq (and on a preemption
-                                                 signal), one metrics.jsonl row
+                                                 signal), one metrics.jsonl row (written before
+                                                 that step's checkpoint commits)
     finish(run)                    close the tracker; the run's summary, printed and written as
-                                   summary.json beside metrics.jsonl (harness/summary.py)
+                                   summary.json beside metrics.jsonl (harness/summary.py); the
+                                   folder's lock released
 
 The two KL coefficients are controllers (nanokl/kl_ctrl.py): `run.kl_ctrl` is beta in the reward
 (fixed or adaptive, algorithm.kl_ctrl, following a target_kl schedule when one is given),
@@ -40,6 +44,7 @@ are pure functions of the step, so "4 steps" and "2 steps, resume, 2 steps" are 
 
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +59,7 @@ from nanokl.harness.checkpoint import latest_checkpoint, verify_checkpoint
 from nanokl.harness.config import config_to_dict, save_config
 from nanokl.harness.config_io import UserError
 from nanokl.harness.config_rules import startup_notes
-from nanokl.harness.data import drop_overlong, steps_per_epoch
+from nanokl.harness.data import check_loaded, drop_overlong, steps_per_epoch, without
 from nanokl.harness.generations import dump_rollout, gather, pick_val_generations
 from nanokl.harness.faults import Preemption, catch_preemption, inject
 from nanokl.harness.hf_format import from_pretrained, load_value_model
@@ -64,7 +69,8 @@ from nanokl.harness.monitor import CHECKS, KLMonitor, warmup_steps
 from nanokl.harness.optim import make_optimizer
 from nanokl.harness.reward_fn import check_sources
 from nanokl.harness.scoring import validate
-from nanokl.harness.run_state import TrainingStopped, _restore, resume, save
+from nanokl.harness.run_state import (TrainingStopped, _restore, release_lock, resume, resume_check, run_record,
+                                      save, set_aside, take_lock)
 from nanokl.harness.stages import load_rm, train_missing_stages
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
@@ -122,6 +128,7 @@ class Run:
     preempt: Preemption | None = None  # set by steps(): a SIGTERM / SIGUSR1 ends the run after its step
     ref_probe: tuple | None = None  # (probe batch, the reference's log-probs on it at start): harness/ref_check.py
     ended: str | None = None  # how the run stopped early, for its summary (None: it ran to its last step)
+    record: dict | None = None  # what the run was started with, kept in every checkpoint (run_state.run_record)
 
 
 def batching_specs(cfg) -> dict:
@@ -147,7 +154,29 @@ def batching_specs(cfg) -> dict:
 
 
 def setup(cfg) -> Run:
-    """Everything before the first step: see the module docstring."""
+    """Everything before the first step (see the module docstring), in a folder that no other run is
+    using: rank 0 holds its lock (run_state.take_lock) until finish(), or until setup fails; a second
+    run there stops with one line (exit 2) naming the first's pid."""
+    rank, _, _ = dist.init()
+    run_dir, problem = Path(cfg.trainer.default_local_dir), None
+    if rank == 0:  # the other ranks wait for its answer
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if (note := take_lock(run_dir)) is not None:
+                print(note, file=sys.stderr)
+        except (UserError, OSError) as e:  # said on every rank: none waits for rank 0 forever
+            problem = str(e)
+    if (problem := dist.broadcast_object(problem)) is not None:
+        raise UserError(problem)
+    try:
+        return _setup(cfg)
+    except BaseException:
+        if rank == 0:
+            release_lock(run_dir)
+        raise
+
+
+def _setup(cfg) -> Run:
     d, arr, alg, t, c = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer, cfg.critic
     a, ro = arr.actor, arr.rollout
     rank, W, _ = dist.init()  # torchrun sets RANK / WORLD_SIZE; plain python is rank 0 of 1
@@ -159,25 +188,44 @@ def setup(cfg) -> Run:
         for line in startup_notes(cfg):
             print(line, file=sys.stderr)
     run_dir = Path(t.default_local_dir)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
     if t.resume_mode == "resume_path" and (problem := verify_checkpoint(t.resume_from_path)) is not None:
         raise UserError(f"trainer.resume_from_path={t.resume_from_path} does not verify: {problem}")  # before any work
     train_missing_stages(cfg, rank)
+    # the checkpoint to resume from (auto: the newest that matches its manifest; skipped ones are named),
+    # checked against what this run starts with before anything loads (run_state.resume_check); a run that
+    # starts over sets the folder's earlier run aside. config.yaml only then: a refused resume leaves it be
+    record, ckpt, notes, problem = run_record(cfg), None, [], None
+    if rank == 0:
+        try:
+            if t.resume_mode == "auto":
+                ckpt = latest_checkpoint(run_dir)
+            elif t.resume_mode == "resume_path":
+                ckpt = Path(t.resume_from_path)
+            why = "trainer.resume_mode=disable" if t.resume_mode == "disable" else "no checkpoint to resume from"
+            notes = resume_check(ckpt, record, t.resume_allow_changes) if ckpt else [set_aside(run_dir, why)]
+        except (UserError, OSError) as e:
+            problem = str(e)
+    ckpt, problem = dist.broadcast_object((ckpt, problem))
+    if problem is not None:
+        raise UserError(problem)
+    if rank == 0:
+        for note in filter(None, notes):
+            print(note, file=sys.stderr)
+        save_config(cfg, run_dir / "config.yaml")
     # every fresh initialisation (warm start, RM head, value head) draws from its own generator; torch's
     # global one is seeded too, so that nothing else can make a run depend on what ran before it
     torch.manual_seed(t.seed)
     tok = load_tokenizer(arr.model.tokenizer_path)
     train, val = get_task(d.task).examples(d, seed=d.seed)  # data.task None: verl's rows, scored by data_source
     if not d.return_raw_chat:  # chat prompts as text in data.prompt_template, not the model's chat template
-        train, val = ([{k: v for k, v in ex.items() if k != "messages"} for ex in x] for x in (train, val))
+        train, val = ([without(ex, "messages") for ex in x] for x in (train, val))  # each keeps its file:line
     train, val = _max_samples(train, d.train_max_samples, d.shuffle, d.seed), _max_samples(val, d.val_max_samples)
     if d.filter_overlong_prompts:  # as verl's RLHFDataset does after max_samples: both splits, said once each
         say = (lambda line: print(line, file=sys.stderr)) if rank == 0 else (lambda line: None)
         train = drop_overlong(train, tok, d, "training", say)
         val = drop_overlong(val, tok, d, "validation", say) if val else val
     check_sources(cfg, train + val)  # a custom reward file that does not import, or an unknown data_source
+    check_loaded(cfg, tok, train, val)  # the model's positions, each prompt's length, each ground truth: file:line
     if t.val_only and not val:
         raise UserError("trainer.val_only validates and stops, but there is no validation set (data.val_files)")
     if d.offline_files:  # offline: the prompts are the logged rows' (the task still gives the held-out set)
@@ -187,11 +235,6 @@ def setup(cfg) -> Run:
                             need_truth=a.loss_mode == "ppo" and not cfg.reward_model.enable)
 
     # models: the policy (actor), its frozen copy (reference), the critic
-    ckpt = None
-    if t.resume_mode == "auto":  # the newest checkpoint that matches its manifest; skipped ones are named
-        ckpt = latest_checkpoint(run_dir, warn=rank == 0)
-    elif t.resume_mode == "resume_path":
-        ckpt = Path(t.resume_from_path)
     model_path = Path(arr.model.path)
     actor_path = ckpt / "actor" if ckpt else model_path
     actor = from_pretrained(actor_path, device=device).train()
@@ -239,7 +282,7 @@ def setup(cfg) -> Run:
               kl_loss_ctrl=make_kl_loss_controller(a),
               rm=load_rm(cfg, device) if cfg.reward_model.enable else None,
               monitor=KLMonitor(km, warmup_steps(cfg)) if km.enable else None, tracker=None, specs=batching_specs(cfg),
-              total_steps=total_steps, bypass=bypass,
+              total_steps=total_steps, bypass=bypass, record=record,
               **variants.choose(cfg, critic=critic is not None, bypass=bypass))
     ref_check.check_setup(run)  # a reference sharing the actor's memory, or trainable: stop before any step
     run.ref_probe = ref_check.record(run)  # at every start: a resumed run reloads the reference from its path
@@ -275,6 +318,7 @@ def finish(run):
     run.tracker.close()
     if run.rank == 0:
         summary.report(run.run_dir, config_to_dict(run.cfg), run.ended or "finished")
+        release_lock(run.run_dir)  # the folder is free for the next run
 
 
 def _max_samples(rows, n, shuffle=False, seed=0):
@@ -333,9 +377,26 @@ def _say(run, message):
         tqdm.write(message, file=sys.stderr)
 
 
+def _log_row(run, metrics, step, timed=None):
+    """The step's metrics row, to be logged before its checkpoint commits (save's before_commit): a crash
+    between the two then leaves a row without its checkpoint, which the resume drops and redoes, never a
+    checkpoint without its row. `timed`: the row also holds timing_s/<timed>, the save's time until then."""
+    if timed and run.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+
+    def log():
+        if timed:
+            if run.device.type == "cuda":
+                torch.cuda.synchronize()
+            metrics[f"timing_s/{timed}"] = time.perf_counter() - t0
+        run.tracker.log(metrics, step=step)
+    return log
+
+
 def end_step(run, step, metrics) -> bool:
-    """After step `step`: validation, the NaN guard, the KL monitor, the reference check, checkpoint, log.
-    False ends the run."""
+    """After step `step`: validation, the NaN guard, the KL monitor, the reference check, checkpoint and
+    log (the row first, then the checkpoint commits). False ends the run."""
     t = run.cfg.trainer
     done = step + 1
     last = done == run.total_steps
@@ -347,8 +408,7 @@ def end_step(run, step, metrics) -> bool:
     steer_kl_loss(run, metrics)
     run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
     if run.nan_streak >= MAX_NAN_STEPS:
-        path = save(run, done, healthy=False)
-        run.tracker.log(metrics, step=done)
+        path = save(run, done, healthy=False, before_commit=_log_row(run, metrics, done))
         run.ended = f"NaN stop at step {done}"
         finish(run)
         raise TrainingStopped(f"stopped at step {done}: {MAX_NAN_STEPS} steps in a row had a non-finite loss "
@@ -371,8 +431,7 @@ def end_step(run, step, metrics) -> bool:
                           f"now {run.kl_ctrl.value:.4g} ({run.kl_ctrl.kind})")
     changed = ref_check.recheck(run, done, metrics)  # every ref_check_freq steps: is the reference unchanged?
     if "stop" in actions or changed:
-        path = save(run, done, healthy=False)
-        run.tracker.log(metrics, step=done)
+        path = save(run, done, healthy=False, before_commit=_log_row(run, metrics, done))
         which = ", ".join(e.check for e in events if e.action == "stop") or "rollback impossible"
         run.ended = f"reference check stop at step {done}" if changed else f"kl_monitor stop at step {done} ({which})"
         if run.rank == 0 and "stop" in actions:
@@ -383,9 +442,10 @@ def end_step(run, step, metrics) -> bool:
         return False
     preempted = run.preempt is not None and run.preempt.requested()  # the same answer on every rank
     if (t.save_freq > 0 and (done % t.save_freq == 0 or last)) or preempted:  # save_freq -1: none, as verl
-        with timer(metrics, "save_checkpoint", run.device):
-            path = save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe)
-    run.tracker.log(metrics, step=done)
+        path = save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe,
+                    before_commit=_log_row(run, metrics, done, timed="save_checkpoint"))
+    else:
+        run.tracker.log(metrics, step=done)
     if preempted and not last:
         run.ended = f"preempted after step {done}"
         _say(run, f"preempted ({run.preempt.signal or 'another rank was signalled'}): step {done} finished and "

@@ -12,7 +12,9 @@ reference-policy samples), and the rule's verdict is still computed and logged
 falling rule score is reward hacking made visible (Gao et al. 2023).
 
 Either way one scalar per response becomes the `[N, R]` tensor PPO adds the KL penalty to:
-`token_level_scores` (nanokl/rewards.py) puts it on the response's last real token. A response
+`token_level_scores` (nanokl/rewards.py) puts it on the response's last real token. A score function
+that raises, returns no number or a non-finite one stops the step (reward_fn.RewardError, on every
+rank), and train_ppo.main saves the steps done before it exits. A response
 cut off by the length limit before its EOS gets `missing_eos_penalty` subtracted. With
 trainer.rollout_data_dir, each step's prompts, responses and scores are written there as JSONL, and
 with trainer.log_val_generations validation hands its (input, output, score) samples to the
@@ -64,7 +66,12 @@ def score_batch(tok, out, examples, cfg, rm=None, global_step=None, metrics=None
     Returns (token-level scores, reward per response, rule score per response)."""
     texts = tok.batch_decode(out.responses, out.response_mask)
     # (logged rows scored by a reward model may carry no ground truth: their rule score is nan, not logged)
-    rule = torch.tensor(reward_fn.manager(cfg)(reward_fn.scorer(cfg), texts, examples))
+    score, failed = reward_fn.scorer(cfg), None
+    try:  # a raising, non-numeric or non-finite reward stops every rank here (RewardError: train_ppo.main saves)
+        rule = torch.tensor(reward_fn.manager(cfg)(score, texts, examples))
+    except reward_fn.RewardError as e:
+        failed = e
+    reward_fn.agree(failed)
     scores = rule
     if rm is not None:
         mask = keep_last_tokens(out.attention_mask, cfg.reward_model.max_length)
@@ -95,13 +102,36 @@ def validate(model, tok, val, cfg, device, ref=None, samples=None):
     also verl's best@k / worst@k / maj@k (`at_k`). Given the reference `ref` and
     trainer.val_kl_prompts > 0, also the on-policy KL (`on_policy_kl`). Given a list `samples`, this
     rank's (input, output, score, ground truth) of every response are appended to it."""
-    d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
+    vk = cfg.actor_rollout_ref.rollout.val_kwargs
     score, answer = reward_fn.scorer(cfg), reward_fn.answerer(cfg)
     sources = sorted({ex["data_source"] for ex in val})
     totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) per source, then response lengths
     names = metric_names(vk.n, with_maj=answer is not None)[1:]  # mean@n is the totals' (the same number)
     at_k = torch.zeros(len(sources), len(names) + 1, dtype=torch.float64)  # per source: sums over prompts, prompts
     mine = val[dist.rank()::dist.world()]
+    try:  # a failing reward function (reward_fn.call) stops every rank after its loop: no collective inside
+        _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, totals, names, at_k, samples)
+        failed = None
+    except reward_fn.RewardError as e:
+        failed = e
+    reward_fn.agree(failed)
+    totals = dist.all_reduce(totals)
+    metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}
+    if names:  # verl's names: val-core for best / maj at k = n, val-aux for the rest (harness/val_metrics.py)
+        at_k = dist.all_reduce(at_k)
+        metrics.update({metric_key(src, "acc", name, vk.n, "acc"): (row[i] / row[-1]).item()
+                        for src, row in zip(sources, at_k) if row[-1] > 0 for i, name in enumerate(names)})
+    if totals[-1, 1] > 0:
+        metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
+    if ref is not None and cfg.trainer.val_kl_prompts:
+        metrics.update(on_policy_kl(dist.unwrap(model), ref, tok, val, cfg, device))
+    return metrics
+
+
+def _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, totals, names, at_k, samples):
+    """validate's loop over this rank's held-out prompts, val_batch_size at a time: adds to `totals`,
+    `at_k` and `samples` in place."""
+    d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
     for i in range(0, len(mine), d.val_batch_size):
         chunk = mine[i:i + d.val_batch_size]
         ids, mask = build_prompts(chunk, tok, d.prompt_template, d.max_prompt_length, d.truncation, device=device)
@@ -110,7 +140,8 @@ def validate(model, tok, val, cfg, device, ref=None, samples=None):
                        eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, n=vk.n,
                        generator=torch.Generator(device).manual_seed(cfg.trainer.seed + dist.rank()))
         texts = tok.batch_decode(out.responses, out.response_mask)
-        hits = [score(text, chunk[j // vk.n]) for j, text in enumerate(texts)]
+        hits = [reward_fn.call(score, text, chunk[j // vk.n], f"validation response {i * vk.n + j} of this rank")
+                for j, text in enumerate(texts)]
         for j, hit in enumerate(hits):
             totals[sources.index(chunk[j // vk.n]["data_source"])] += torch.tensor([hit, 1.0])
         for p in range(len(chunk) if names else 0):  # val_kwargs.n > 1: each prompt's bootstrap over its n
@@ -123,17 +154,6 @@ def validate(model, tok, val, cfg, device, ref=None, samples=None):
             samples.extend(zip(prompt_texts(tok, out), texts, hits,
                                [chunk[j // vk.n].get("ground_truth") for j in range(len(texts))]))
         totals[-1] += torch.tensor([out.response_mask.sum().item(), float(len(texts))])
-    totals = dist.all_reduce(totals)
-    metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}
-    if names:  # verl's names: val-core for best / maj at k = n, val-aux for the rest (harness/val_metrics.py)
-        at_k = dist.all_reduce(at_k)
-        metrics.update({metric_key(src, "acc", name, vk.n, "acc"): (row[i] / row[-1]).item()
-                        for src, row in zip(sources, at_k) if row[-1] > 0 for i, name in enumerate(names)})
-    if totals[-1, 1] > 0:
-        metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
-    if ref is not None and cfg.trainer.val_kl_prompts:
-        metrics.update(on_policy_kl(dist.unwrap(model), ref, tok, val, cfg, device))
-    return metrics
 
 
 @torch.no_grad()

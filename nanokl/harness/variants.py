@@ -194,8 +194,13 @@ def _is_weights(run, batch, rollout_log_probs, level):
 def rejection(run, batch, rollout_log_probs, weigh=no_correction):
     """`weigh` (one of the three above), then verl's rejection sampling (rollout_rs): every token whose
     statistic of log π_old/μ leaves its bounds, or whose response's does, leaves response_mask
-    (nanokl/offline.py's rejection_mask): it weighs nothing in the losses, the KL and the controller,
-    as in verl. The advantages still see every response's score (ppo_step's step 5 reads the rollout's mask)."""
+    (nanokl/offline.py's rejection_mask): it weighs nothing in the losses, as in verl, nor in the KL
+    penalty and the KL its controller reads (verl applies the KL penalty before rejection: README,
+    'Where nanokl differs from verl'). Step 5 places the advantages on the kept tokens, but the
+    outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, grpo_passk) still sum each
+    response's score over the rollout's mask (`score_mask`), as verl sums the whole row, so a
+    rejected last token takes no score away; GAE, REINFORCE++ and ReMax run over the kept tokens
+    alone and, as in verl, drop the reward on a rejected token (nanokl/advantages.py, 'Two masks')."""
     rc = run.cfg.algorithm.rollout_correction
     w, mask, metrics = weigh(run, batch, rollout_log_probs)
     mu = behaviour_log_probs(rollout_log_probs, batch["ref_log_probs"])

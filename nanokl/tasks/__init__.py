@@ -1,6 +1,6 @@
 """Tasks: what PPO trains on, behind one small interface. `data.task` names one of TASKS.
 
-A task is a plain module with three things (and an optional fourth), and nothing else in
+A task is a plain module with three things (and a few optional ones), and nothing else in
 nanokl names a task:
 
     examples(data, num_train=None, num_val=None, seed=0) -> (train, val)
@@ -26,6 +26,12 @@ nanokl names a task:
         What the supervised warm start (nanokl/supervised/sft.py) trains on, or
         `demonstrations = None` for a task without any: its policy must come from elsewhere
         (actor_rollout_ref.model.path).
+
+    truth_problem(ground_truth, example) -> str | None (optional)
+        None when the rule can read the ground truth, else what is wrong with it ("is not an
+        integer"). Every row's truth is checked when the data load (harness/reward_fn.py:
+        `check_truths`), so a bad one is refused naming its file:line instead of failing, or
+        silently scoring 0, at the step whose batch holds it. A task without it is not checked.
 
     SOURCE: str (optional)
         The data_source its examples carry. `SOURCES` maps each to its task, so a row of verl's

@@ -31,7 +31,8 @@ demonstrations end with "Answer: N" instead of "#### N", as if two teachers agre
 arithmetic but not on the format. The rule reads only "#### N", so a policy that imitates the
 majority "Answer:" teacher scores nothing until RL finds out which format is rewarded.
 
-The task interface (nanokl/tasks/__init__.py): `examples`, `score`, `answer`, `demonstrations`.
+The task interface (nanokl/tasks/__init__.py): `examples`, `score`, `answer`, `demonstrations`,
+`truth_problem` (a ground truth that is not an integer is refused when the data load).
 tests/test_tasks.py checks: the task is deterministic per seed and its splits are disjoint;
 every demonstration's answer equals one recomputed by a hand parser in the test (no eval);
 every demonstration scores 1 and corrupted ones 0; the format mix is seeded.
@@ -176,6 +177,17 @@ def examples(data, num_train=None, num_val=None, seed=0):
 def score(text, example, method="strict"):
     """The rule's verdict on one response; there is one rule, so `method` is ignored."""
     return arith_score(text, example["ground_truth"])
+
+
+def truth_problem(ground_truth, example=None) -> str | None:
+    """None when the rule can read `ground_truth` (an integer, as `arith_score` reads it: int(truth)),
+    else what is wrong with it. Checked when the data load (reward_fn.check_truths), not at the step
+    whose response first writes a `#### N`."""
+    try:
+        int(ground_truth)
+        return None
+    except (TypeError, ValueError):
+        return "is not an integer, which the arithmetic rule compares the response's '#### N' with"
 
 
 def answer(text, example, method="strict"):

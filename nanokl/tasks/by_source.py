@@ -21,6 +21,8 @@ This module is that, as a task: what `data.task` unset means when data files are
                (nanokl/harness/reward_fn.py: `check_sources`), unless custom_reward_function names the
                user's own function, which then scores every row
     demonstrations  None: verl's rows carry no reference solution to imitate
+    truth_problem   the ground truth as the row's data_source's task reads it (an unreadable one is
+               refused when the data load, naming file:line: reward_fn.check_truths)
 
 tests/test_reward_fn.py checks that a mixed file is scored row by row by each source's own rule.
 """
@@ -53,6 +55,13 @@ def score(text, example, method="strict"):
     """The rule of the row's data_source (verl's default_compute_score)."""
     from nanokl.tasks import source_task  # the table imports this module: look it up when called
     return source_task(example["data_source"]).score(text, example, method)
+
+
+def truth_problem(ground_truth, example) -> str | None:
+    """The row's data_source's task reads the truth (None: it can), or says what is wrong with it."""
+    from nanokl.tasks import source_task
+    task = source_task(example["data_source"])
+    return task.truth_problem(ground_truth, example) if hasattr(task, "truth_problem") else None
 
 
 def answer(text, example, method="strict"):

@@ -43,7 +43,8 @@ Parquet), for tests and for users without verl at hand.
 Demonstrations: a raw row's reference answer is a worked solution ending in `#### N`, so the
 rows that have one can warm-start a policy by SFT; verl-style rows carry none.
 
-The task interface (nanokl/tasks/__init__.py): `examples`, `score`, `demonstrations`.
+The task interface (nanokl/tasks/__init__.py): `examples`, `score`, `demonstrations`, `truth_problem`
+(a ground truth no answer can equal, "" or "n/a", is refused when the data load, naming file:line).
 tests/test_tasks.py checks: the test file loads to 1319 prompts with verl's instruction; every
 reference answer scores 1 against its own ground truth (strict); the flexible rule agrees with
 the `is_correct` labels of OpenAI's released model solutions; hand cases for commas, `$`,
@@ -143,6 +144,17 @@ def examples(data, num_train=None, num_val=None, seed=0):
 def score(text, example, method="strict"):
     """1.0 if the response's answer (strict `#### N`, or flexible: the last number) equals the truth."""
     return gsm8k_score(text, example["ground_truth"], method)
+
+
+def truth_problem(ground_truth, example=None) -> str | None:
+    """None when the rule can match `ground_truth`: once commas and `$` are stripped, a number as the rule
+    extracts one (`-?[0-9.,]+` with a digit). Else what is wrong: no response could ever equal it, so the
+    row would score 0 whatever the policy wrote. Checked when the data load (reward_fn.check_truths)."""
+    truth = _clean(ground_truth)
+    if _NUMBER.fullmatch(truth) and any(c.isdigit() for c in truth):
+        return None
+    return ("is not a number, so no answer can equal it (GSM8K's rule compares the response's final "
+            "number with it, commas and $ stripped)")
 
 
 def answer(text, example, method="strict"):
