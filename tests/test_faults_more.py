@@ -44,19 +44,7 @@ def args(sft_dir, run_dir, *extra):
     return [*TINY, f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={run_dir}", *extra]
 
 
-def cli(argv, capfd, monkeypatch):
-    """train_ppo.py's command line in this process: (exit status, stderr)."""
-    capfd.readouterr()
-    monkeypatch.setattr(sys, "argv", ["train_ppo.py", *map(str, argv)])
-    with pytest.raises(SystemExit) as info:
-        train_ppo.cli()
-    return info.value.code, capfd.readouterr().err
-
-
-def one_error(err) -> str:
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    return lines[0]
+from test_bad_input import one_error, train_cli as cli  # noqa: E402  (train_ppo.py's CLI in this process)
 
 
 def rows(run_dir):
