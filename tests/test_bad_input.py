@@ -28,8 +28,8 @@ import train_ppo
 from nanokl.harness.config import Config, load_config, parse_cli
 from nanokl.harness.config_io import ConfigError, run_cli
 from nanokl.harness.tokenizer import train_tokenizer
-from nanokl.rollout import RolloutOutput
 from nanokl.tasks import arith, gsm8k
+from test_reward_fn import rollout
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CFG = ROOT / "configs" / "arith_tiny.yaml"
@@ -269,17 +269,8 @@ def tok():
 
 
 def batch(tok, prompts, responses):
-    ids, mask = tok.encode(prompts)
-    rows = [tok.encode_one(r) + [tok.eos_token_id] for r in responses]
-    R = max(len(r) for r in rows)
-    resp = torch.full((len(rows), R), tok.pad_token_id)
-    rmask = torch.zeros(len(rows), R, dtype=torch.long)
-    for i, r in enumerate(rows):
-        resp[i, :len(r)], rmask[i, :len(r)] = torch.tensor(r), 1
-    seq, att = torch.cat([ids, resp], 1), torch.cat([mask, rmask], 1)
-    return RolloutOutput(sequences=seq, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp(min=0),
-                         responses=resp, response_mask=rmask, log_probs=torch.zeros(resp.shape),
-                         prompt_length=ids.shape[1])
+    """A rollout batch by hand, every response ended by its EOS (test_reward_fn's builder)."""
+    return rollout(tok, prompts, responses, eos=[True] * len(responses))
 
 
 CUSTOM = '''

@@ -23,6 +23,7 @@ import pytest
 
 import train_ppo
 from nanokl.harness.checkpoint import latest_checkpoint
+from test_faults import run_cli as cli  # (exit status, stderr) of train_ppo's CLI, in this process
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), "data.num_train=64", "data.num_val=16",
@@ -36,17 +37,6 @@ def argv(sft_dir, run_dir, *extra):
             f"trainer.default_local_dir={run_dir}", *extra]
 
 
-def cli(args, capfd):
-    """(exit status, stderr) of train_ppo's command line, run in this process."""
-    capfd.readouterr()
-    saved = sys.argv
-    sys.argv = ["train_ppo.py", *args]
-    try:
-        with pytest.raises(SystemExit) as info:
-            train_ppo.cli()
-    finally:
-        sys.argv = saved
-    return info.value.code, capfd.readouterr().err
 
 
 def steps_logged(run_dir, name="metrics.jsonl"):
