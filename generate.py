@@ -8,7 +8,7 @@ A:"
 Prompts come from `--prompt`, from `--prompts` (one per line of a text file, or the "prompt" (else
 "question") field of each line of a .jsonl file), or from `--task NAME`: the first --num-prompts
 training problems of a built-in task (nanokl/tasks/), made from the `data` section of --config
-(default configs/arith_tiny.yaml). They run in batches through `nanokl.graphs.generate` (static
+(default configs/arith_tiny.yaml). They run in batches through `nanokl.rollout.generate` (static
 KV cache; CUDA graphs on a GPU), with a progress bar when there is more than one batch.
 
 `--out FILE` writes a logged-response file for offline training (nanokl/harness/logged.py), one
@@ -51,7 +51,7 @@ from nanokl.harness.config_io import UserError, run_cli
 from nanokl.harness.data import DataError, Located, _chat_prompt, where_of
 from nanokl.harness.faults import check_writable
 from nanokl.harness.hf_format import from_pretrained, read_config
-from nanokl.graphs import generate
+from nanokl.rollout import generate
 from nanokl.harness.tokenizer import apply_template, load_tokenizer
 
 PASSED_THROUGH = ("ground_truth", "data_source", "reward_model")  # what the task's rule reads
@@ -85,7 +85,8 @@ def read_prompts(path):
 
 def task_examples(args):
     """The first --num-prompts training examples of --task, and the task."""
-    from nanokl.harness.config import DEFAULT_CONFIG, DataConfig, load_config
+    from nanokl.harness.config import DataConfig
+    from nanokl.harness.config_load import DEFAULT_CONFIG, load_config
     from nanokl.tasks import get_task
     task = get_task(args.task)
     if args.config or args.task == "arith":

@@ -12,19 +12,22 @@
                  scalar sits on the response's last token                              nanokl/rewards.py
   3. forwards    old log-probs + entropy (policy), reference log-probs, values (critic);
                  importance weights when another policy sampled                        nanokl/workers.py, offline.py
-  4. KL          in the reward: r_t = score_t - beta * KL_t, beta steered toward
-                 target_kl; and/or in the loss (actor.use_kl_loss, step 6)             nanokl/rewards.py, kl_ctrl.py
+  4. KL          in the reward: r_t = score_t - beta * KL_t (apply_kl_penalty), and the
+                 controller moves beta toward target_kl (kl_ctrl.update); and/or in the
+                 loss (actor.use_kl_loss, step 6)                                      nanokl/rewards.py, kl_ctrl.py
   5. advantages  GAE with the critic, or a baseline: the group's (GRPO, RLOO, ...), the
-                 greedy response's (ReMax)                                             nanokl/advantages.py
+                 greedy response's (ReMax): compute_advantage                         nanokl/advantages.py
   6. update      ppo_epochs x mini-batches x micro-batches of the clipped value and
                  policy losses (+ KL loss, - entropy bonus)                            nanokl/workers.py, ppo.py
   7. metrics     verl's names, reduced over all ranks                                  harness/metrics.py
-Where configs differ, a step is replaced, not branched: `run.respond` samples (or, offline, draws
-logged responses: nothing is generated; or, with DAPO's dynamic sampling, samples rounds until enough
-prompts' responses disagree), `run.old_log_probs` recomputes (or takes the rollout's when the sampler
-is the fp32 actor itself: bypass), `run.correct` weighs and rejects tokens another policy sampled,
-`run.baselines` rolls out greedily for ReMax, and so on; setup chooses each once
-(nanokl/harness/variants.py). DPO is another algorithm (no score, no advantages, a pair loss):
+Each formula is a call or two away: go to definition from the step. Where a config turns a step on
+or off (a critic, the KL in the reward, ReMax's greedy baseline, the old log-probs' forward when the
+sampler is the fp32 actor itself: bypass) the step says so with a plain named `if`. Three steps have
+real alternatives, chosen once in setup (nanokl/harness/variants.py): `run.respond` samples (or,
+offline, draws logged responses: nothing is generated; or, with DAPO's dynamic sampling, samples
+rounds until enough prompts' responses disagree), `run.rollout_correction` weighs and rejects
+tokens another policy sampled, and `run.read_kl` is the KL the controller reads (the step's own, or
+corrected by an on-policy probe). DPO is another algorithm (no score, no advantages, a pair loss):
 `dpo_step`. `main` is the loop around them; a reward function that fails in a step
 (reward_fn.RewardError) ends it with a checkpoint of the steps done (exit 1), and Ctrl-C with one of
 the step it finishes (exit 130, harness/faults.py). Everything that is not the step (models, resume,
@@ -33,21 +36,27 @@ nanokl/harness/run.py. Under torchrun each process takes a slice of the prompts 
 are global (nanokl/dist.py), so the logged numbers do not depend on the number of processes.
 """
 
+import math
 import sys
 import time
 
 import torch
 
 from nanokl import dist, dpo, workers
+from nanokl.advantages import compute_advantage
 from nanokl.harness.checkpoint import rng_state, set_rng_state
-from nanokl.harness.config import parse_cli, run_cli
-from nanokl.harness.data import rank_rows
+from nanokl.harness.config_io import run_cli
+from nanokl.harness.config_load import parse_cli
+from nanokl.harness.data import rank_rows, step_seed
 from nanokl.harness.faults import INTERRUPTED, check_writable
+from nanokl.harness.hacking import watch_ratio
 from nanokl.harness.metrics import step_metrics, timer
 from nanokl.harness.reward_fn import RewardError
 from nanokl.harness.run import TrainingStopped, end_step, finish, setup, steps
 from nanokl.harness.run_state import save
 from nanokl.harness.scoring import score_batch
+from nanokl.harness.variants import exact_kl, greedy_baselines, reward_kl_metrics
+from nanokl.rewards import apply_kl_penalty
 
 
 def step_seeds(run, step):
@@ -55,7 +64,7 @@ def step_seeds(run, step):
     resume needs only `step`; each rank samples differently, every rank shuffles alike."""
     d, seed = run.cfg.data, run.cfg.trainer.seed
     rows = rank_rows(len(run.train), d.train_batch_size, step, d.seed, d.shuffle, run.rank, run.world)
-    gen = torch.Generator(run.device).manual_seed(seed * 1_000_003 + step * 8191 + run.rank)
+    gen = torch.Generator(run.device).manual_seed(step_seed(seed, step, run.rank))
     return rows, gen, torch.Generator().manual_seed(seed + step)
 
 
@@ -76,46 +85,93 @@ def ppo_step(run, step) -> dict:
         scores, seq_scores, rule_scores = score_batch(run.tok, out, examples, cfg, run.rm, global_step=step + 1,
                                                       metrics=metrics)
 
-    # 3. forwards: old log-probs + entropy, reference log-probs, values; importance weights min(pi_old/mu, C),
-    #    and rejection: tokens far off pi_old leave the mask the losses read
-    batch["old_log_probs"], entropy = run.old_log_probs(run, batch, out, metrics)
+    # 3. forwards: pi_old's log-probs and entropy, the reference's log-probs, the critic's values
+    batch["old_log_probs"], entropy = old_log_probs(run, batch, out, metrics)
     with timer(metrics, "ref", device):
         batch["ref_log_probs"], _ = workers.compute_log_probs(run.ref, batch, ro.temperature, spec=run.specs["ref"])
-    batch["values"] = run.values(run, batch, metrics)
-    batch["is_weights"], batch["response_mask"], is_metrics = run.correct(run, batch, out.log_probs)
+    batch["values"] = None
+    if run.critic is not None:
+        with timer(metrics, "values", device):
+            batch["values"] = workers.compute_values(run.critic, batch, spec=run.specs["values"])
+    #    responses another policy sampled: importance weights min(pi_old/mu, C), and rejection: tokens far
+    #    off pi_old leave the mask the losses read (algorithm.rollout_correction; none online by default)
+    batch["is_weights"], batch["response_mask"], is_metrics = run.rollout_correction(run, batch, out.log_probs)
     metrics.update(is_metrics)
 
     with timer(metrics, "adv", device):
-        # 4. KL in the reward: r_t = score_t - beta * KL_t, and the controller moves beta
-        rewards, kl_metrics = run.kl_reward(run, batch, scores)
-        metrics.update(kl_metrics)
+        # 4. KL in the reward: r_t = score_t - beta * KL_t, and the controller moves beta toward target_kl
+        rewards, mask = scores, batch["response_mask"]
+        if alg.use_kl_in_reward:
+            beta = run.kl_ctrl.value
+            exact = exact_kl(run, batch, metrics) if alg.kl_penalty == "full" else None  # both models' logits
+            rewards, kl, current = apply_kl_penalty(scores, batch["old_log_probs"], batch["ref_log_probs"], mask,
+                                                    beta, alg.kl_penalty, reduce=dist.all_reduce, kl=exact)
+            current = run.read_kl(run, batch, kl, current, metrics)  # offline: importance-weighted (+ the probe)
+            run.kl_ctrl.update(current, n_steps=len(mask) * W)
+            metrics.update(reward_kl_metrics(run, kl, mask, current, beta))
         # 5. advantages: GAE with the critic (whitened over all ranks), or a baseline (the group; remax: greedy),
-        #    over the tokens step 3 kept (verl's compute_advantage reads the mask rollout_rs rewrote); an outcome
-        #    score is still the sum over the rollout's tokens (score_mask), as verl sums the whole row: a rejected
-        #    last token takes no response's score away
+        #    over the tokens step 3 kept; an outcome score is still the sum over the rollout's tokens
+        #    (score_mask), as verl sums the whole row: a rejected last token takes no response's score away
         index = torch.arange(len(rows)).repeat_interleave(ro.n)  # the prompt of each response
-        batch["advantages"], batch["returns"] = run.estimator.fn(rewards, batch["response_mask"], batch["values"], index,
-                                                                 alg, dist.all_reduce_moments,
-                                                                 baselines=run.baselines(run, examples, metrics),
-                                                                 score_mask=out.response_mask)
+        baselines = greedy_baselines(run, examples, metrics) if alg.adv_estimator == "remax" else None
+        batch["advantages"], batch["returns"] = compute_advantage(
+            alg.adv_estimator, rewards, mask, batch["values"], index, alg, whiten_stats=dist.all_reduce_moments,
+            baselines=baselines, score_mask=out.response_mask)
 
     # 6. update: critic first (verl's order), then the actor once critic_warmup has passed
-    update = run.update_critic(run, batch, shuffle, metrics)
+    update = {}
+    if run.critic is not None:
+        c = cfg.critic
+        with timer(metrics, "update_critic", device):
+            update = workers.update_critic(run.critic, run.critic_opt, batch, c,
+                                           mini_size=c.ppo_mini_batch_size * ro.n // W, spec=run.specs["critic"],
+                                           generator=shuffle, horizon=ro.response_length)
+        run.critic_sched.step()
     if step >= cfg.trainer.critic_warmup:
         with timer(metrics, "update_actor", device):
             actor_update, first_pass_entropy = workers.update_actor(
                 run.actor, run.actor_opt, batch, a, ro.temperature, mini_size=a.ppo_mini_batch_size * ro.n // W,
                 spec=run.specs["actor"], generator=shuffle, horizon=ro.response_length,
-                kl_loss_coef=run.kl_loss_ctrl.value, ref=run.ref, record_entropy=run.bypass)
+                kl_loss_coef=run.kl_loss_ctrl.value, ref=run.ref, record_entropy=run.bypass, watch=watch_ratio)
         update |= actor_update
         run.actor_sched.step()
         dist.sync_rollout_weights(run.rollout_model, run.actor)  # in place: its CUDA graphs see new weights
         entropy = first_pass_entropy if run.bypass else entropy
 
-    # 7. metrics (verl's names), every one reduced over all ranks
+    # 7. metrics (verl's names), every one reduced over all ranks; then the KL loss's weight moves, when
+    #    adaptive, toward its target from this step's KL loss, as beta did in step 4
     metrics.update(step_metrics(run, step, out, batch, update=update, entropy=entropy, t_step=t_step,
                                 scores=seq_scores, rule_scores=rule_scores, rewards=rewards))
+    steer_kl_loss(run, metrics)
     return metrics
+
+
+def old_log_probs(run, batch, out, metrics):
+    """pi_old's log-prob of each token and the entropy: the actor's forward (verl's compute_log_prob), with
+    the largest gap to the rollout's own log-probs logged online (the sampler's numerics); or, when the
+    sampler is the fp32 actor itself (run.bypass: workers.rollout_log_probs_are_old), the rollout's, and
+    the update records the entropy."""
+    if run.bypass:
+        return out.log_probs, None
+    with timer(metrics, "old_log_prob", run.device):
+        old, entropy = workers.compute_log_probs(run.actor, batch, run.cfg.actor_rollout_ref.rollout.temperature,
+                                                 spec=run.specs["old"], with_entropy=True)
+    if run.cfg.data.offline_files is None:
+        gap = (out.log_probs - old).abs()
+        metrics["rollout/log_prob_max_diff"] = dist.global_stats(gap, out.response_mask)[1]
+    return old, entropy
+
+
+def steer_kl_loss(run, metrics) -> None:
+    """An adaptive KL-loss coefficient (actor.kl_loss_ctrl) moves toward its target from this step's
+    KL loss, actor/kl_loss, over the step's responses (kl_ctrl.py); with the on-policy probe
+    (algorithm.kl_probe, nanokl/kl_probe.py) from the corrected KL instead, as beta's reading does.
+    A step without a KL loss (critic warm-up, a skipped non-finite update) leaves it where it is."""
+    kl = float(metrics.get("actor/kl_loss", math.nan))
+    kl = float(metrics.get("kl_probe/kl_corrected", kl)) if math.isfinite(kl) else kl
+    if run.kl_loss_ctrl.kind == "adaptive" and math.isfinite(kl):
+        run.kl_loss_ctrl.update(kl, n_steps=run.cfg.data.train_batch_size * run.cfg.actor_rollout_ref.rollout.n)
+        metrics["actor/kl_loss_target"] = run.kl_loss_ctrl.target
 
 
 def dpo_step(run, step) -> dict:
@@ -123,19 +179,27 @@ def dpo_step(run, step) -> dict:
     of each prompt, in that order. No score and no advantages: the ranking that ordered each pair is
     the signal, and the pair loss of nanokl/dpo.py the update. beta is the KL controller's value."""
     cfg, device = run.cfg, run.device
-    a, ro = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    a, ro, alg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm
     metrics, t_step = {}, time.perf_counter()
     rows, gen, shuffle = step_seeds(run, step)
     with timer(metrics, "gen", device):
         out, _ = run.respond(run, rows=rows, step=step, generator=gen, metrics=metrics)
     batch = workers.rollout_batch(out)
-    batch["old_log_probs"], entropy = run.old_log_probs(run, batch, out, metrics)
+    batch["old_log_probs"], entropy = old_log_probs(run, batch, out, metrics)
     with timer(metrics, "ref", device):
         batch["ref_log_probs"], _ = workers.compute_log_probs(run.ref, batch, ro.temperature, spec=run.specs["ref"])
-    batch["is_weights"], batch["response_mask"], is_metrics = run.correct(run, batch, out.log_probs)
+    batch["is_weights"], batch["response_mask"], is_metrics = run.rollout_correction(run, batch, out.log_probs)
     metrics.update(is_metrics)
     with timer(metrics, "adv", device):  # the policy's KL, for the controller and the monitor: no reward to pay it
-        metrics.update(run.kl_reward(run, batch, torch.zeros_like(batch["old_log_probs"]))[1])
+        if alg.use_kl_in_reward:
+            beta, mask = run.kl_ctrl.value, batch["response_mask"]
+            exact = exact_kl(run, batch, metrics) if alg.kl_penalty == "full" else None
+            _, kl, current = apply_kl_penalty(torch.zeros_like(batch["old_log_probs"]), batch["old_log_probs"],
+                                              batch["ref_log_probs"], mask, beta, alg.kl_penalty,
+                                              reduce=dist.all_reduce, kl=exact)
+            current = run.read_kl(run, batch, kl, current, metrics)
+            run.kl_ctrl.update(current, n_steps=len(mask) * run.world)
+            metrics.update(reward_kl_metrics(run, kl, mask, current, beta))
     with timer(metrics, "update_actor", device):
         update = dpo.update_policy(run.actor, run.actor_opt, batch, a, ro.temperature,
                                    mini_size=a.ppo_mini_batch_size * ro.n // run.world, spec=run.specs["actor"],

@@ -466,7 +466,8 @@ def main():
           f"{'yes' if sharded else 'no'} ({n_dt}/{n_p} actor parameters DTensor, mesh of {mesh}); "
           f"rollout copy {'yes' if run.rollout_copy else 'no'}")
     del run
-    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("global_step_*"))  # none expected: save_freq=-1
+    # none expected (save_freq=-1), in verl's layout or the older checkpoints/ one
+    saved = sorted(p.name for p in [*run_dir.glob("global_step_*"), *(run_dir / "checkpoints").glob("global_step_*")])
     if saved:
         print(f"checkpoints written despite trainer.save_freq=-1: {saved}")
     write_summary(out, dict(steps=len(rows), checkpoints=len(saved), attention_kernel=kernels, engine=engine,

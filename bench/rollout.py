@@ -32,7 +32,7 @@ the same way with bench/decode_ops.py's counter. The step is counted as training
 the same way as the second line, to show what the fusions buy.
 
 The implementations:
-  nanokl        nanokl.graphs.generate on the fused rollout copy: one prefill, fixed-shape decode
+  nanokl        nanokl.rollout.generate on the fused rollout copy: one prefill, fixed-shape decode
                 on the static KV cache (and CUDA graphs on CUDA)
   nanokl-eager  the same on CUDA without graphs (to show what the graphs buy)
   naive         the model as loaded re-run on the whole sequence for every new token (no cache)
@@ -57,7 +57,8 @@ from nanokl.harness import hf_format as H  # noqa: E402
 from nanokl import model as M  # noqa: E402
 from nanokl import rollout  # noqa: E402
 from nanokl.fused import fuse_for_rollout  # noqa: E402
-from nanokl.graphs import generate, make_engine  # noqa: E402
+from nanokl.graphs import make_engine  # noqa: E402
+from nanokl.rollout import generate  # noqa: E402
 
 SHAPES = {  # Qwen2-shaped (GQA, qkv bias, tied embeddings); parameter counts printed in the table
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train_ppo  # noqa: E402
-from nanokl.harness.config import load_config  # noqa: E402
+from nanokl.harness.config_load import load_config  # noqa: E402
 from nanokl.harness.hf_format import save_pretrained  # noqa: E402
 from nanokl.harness.run import setup  # noqa: E402
 from nanokl.harness.tokenizer import train_tokenizer  # noqa: E402

@@ -44,10 +44,11 @@ included) and counts, per phase:
             batching.send's copy is not one: on CUDA it goes from pinned memory, non-blocking (on meta it
             takes the plain `.to`, recognised by being inside send).
             A sync is *inside* a micro-batch loop when it runs between the first micro-batch built after
-            a `split` (workers.micro_batch; workers.take in an older checkout) and the loop's end: the
+            a `split` (micro_batch; take in an older checkout) and the loop's end: the
             pass's return, or `workers._step`, which clears the flag (its one read per mini-batch is
             outside by definition, and so is the next mini-batch's set-up until its first micro-batch).
-            The wrappers are set on workers' module attributes, where its functions look them up.
+            The wrappers are set on the module attributes where the loop looks them up: batching's
+            (agreed_micro_batches), or workers' in an older checkout.
             Everything else in a pass is *outside*: the mask's read before the loop, each mini-batch's read.
   largest   the largest tensor an op outputs (numel x element size), with the op and its shape.
 
@@ -89,6 +90,7 @@ tests/test_update_ops.py holds the syncs inside loops at 0, the largest tensor o
 `config` within chunk x vocab x 4 bytes, and `config` at least 4x fewer ops per step than `first`.
 """
 
+import inspect
 import argparse
 import contextlib
 import copy
@@ -143,7 +145,7 @@ def settings(name, config=CONFIG):
     """{spec name: Batching fields, "checkpointing": {"actor": bool, "critic": bool}} of a setting."""
     if name == "first":
         return copy.deepcopy(FIRST)
-    from nanokl.harness.config import load_config
+    from nanokl.harness.config_load import load_config
     from nanokl.harness.run import batching_specs
     cfg = load_config(str(config), [])
     out = {k: dataclasses.asdict(v) for k, v in batching_specs(cfg).items()}
@@ -509,9 +511,10 @@ def markers(counter):
             return out
         return wrapped
 
-    patch(workers, "split", marked(workers.split, after=counter.split_ran))
-    builder = "micro_batch" if hasattr(workers, "micro_batch") else "take"
-    patch(workers, builder, marked(getattr(workers, builder), before=counter.built_micro_batch))
+    loop = batching if hasattr(batching, "agreed_micro_batches") else workers  # where the loop looks them up
+    patch(loop, "split", marked(loop.split, after=counter.split_ran))
+    builder = "micro_batch" if hasattr(loop, "micro_batch") else "take"
+    patch(loop, builder, marked(getattr(loop, builder), before=counter.built_micro_batch))
     patch(workers, "_step", marked(workers._step, before=counter.loop_ended))
     for module in (workers, batching):
         if hasattr(module, "send"):
@@ -579,10 +582,20 @@ def adamw(model, lr, kind):
     return opt
 
 
+def ratio_watch() -> dict:
+    """The KL monitor's ratio-band reading the trainer passes to the policy update (train_ppo.py), where
+    this checkout's update takes one (`watch`, since the ratio band left nanokl/ppo.py); older checkouts
+    computed it inside the update."""
+    if "watch" not in inspect.signature(workers.update_actor).parameters:
+        return {}
+    from nanokl.harness.hacking import watch_ratio
+    return {"watch": watch_ratio}
+
+
 def count_step(setting, shape="0.5b", layers=1, config=CONFIG, adamw_kind="fused"):
     """{phase: stats} of one step under `setting` (see `settings`), plus "_dropped": spec fields this
     checkout does not know. `config` gives the losses' hyper-parameters (actor, critic)."""
-    from nanokl.harness.config import load_config
+    from nanokl.harness.config_load import load_config
     cfg = load_config(str(config), [])
     a, c = cfg.actor_rollout_ref.actor, cfg.critic
     mcfg = M.ModelConfig(**dict(SHAPES[shape], num_hidden_layers=layers))
@@ -617,7 +630,7 @@ def count_step(setting, shape="0.5b", layers=1, config=CONFIG, adamw_kind="fused
                                                            spec=specs["critic"], generator=gen, horizon=R))
         run("update_actor", lambda: workers.update_actor(actor, actor_opt, batch, a, 1.0, mini_size=MINI,
                                                          spec=specs["actor"], generator=gen, horizon=R,
-                                                         kl_loss_coef=0.0, ref=ref))
+                                                         kl_loss_coef=0.0, ref=ref, **ratio_watch()))
     out = dict(counter.stats)
     out["_dropped"] = sorted(dropped)
     return out

@@ -114,7 +114,7 @@ norm_adv_by_std_in_grpo), all others 0. With tied best scores that is 0 for ever
 of the tied responses "is" the best does not matter. A group needs ≥ 2 responses.
 """
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -142,15 +142,7 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
         next_value = torch.where(m > 0, values[:, t], next_value)
         next_adv = torch.where(m > 0, adv_t, next_adv)
         advantages[:, t] = next_adv
-    returns = advantages + values
-
-    stats = masked_moments(advantages, response_mask)
-    if whiten_stats is not None:
-        stats = whiten_stats(stats)
-    if stats[2] < 2:  # rejection (rollout_rs) left < 2 tokens in the whole batch: nothing to whiten, no signal
-        return torch.zeros_like(advantages), returns
-    advantages = masked_whiten(advantages, response_mask, stats=stats)
-    return advantages, returns
+    return whitened(advantages, response_mask, whiten_stats), advantages + values
 
 
 def sequence_scores(token_level_rewards, response_mask):
@@ -158,26 +150,34 @@ def sequence_scores(token_level_rewards, response_mask):
     return masked_sum(token_level_rewards, response_mask, dim=-1)
 
 
-def whiten_real_tokens(x, response_mask, whiten_stats=None):
-    """x whitened with the moments of its real tokens (summed over ranks by `whiten_stats`, as in
-    GAE), and exactly 0 under the mask."""
+def whitened(x, response_mask, whiten_stats=None):
+    """x whitened with the moments of its real tokens, summed over ranks by `whiten_stats` (None: this
+    batch's own); all zeros when the whole batch has fewer than 2 real tokens (rejection, rollout_rs, can
+    leave that few): nothing to whiten, no signal."""
     stats = masked_moments(x, response_mask)
     if whiten_stats is not None:
         stats = whiten_stats(stats)
-    if stats[2] < 2:  # as in GAE: fewer than 2 real tokens left in the batch, no signal
+    if stats[2] < 2:
         return torch.zeros_like(x)
-    return zero_masked(masked_whiten(x, response_mask, stats=stats), response_mask)
+    return masked_whiten(x, response_mask, stats=stats)
 
 
-def group_ids(index, scores):
-    """(a group number per row as a tensor, the number of groups) from one hashable prompt id per
-    row (a list, numpy array or tensor); the outcome estimators' baselines are per group."""
+def whiten_real_tokens(x, response_mask, whiten_stats=None):
+    """`whitened`, and exactly 0 under the mask."""
+    return zero_masked(whitened(x, response_mask, whiten_stats), response_mask)
+
+
+def group_stats(index, scores):
+    """Per prompt group: (the group number of each row [N], the group's size [G], the sum of its scores
+    [G]), from one hashable prompt id per row (a list, numpy array or tensor). Every outcome
+    estimator's baseline is made of these."""
     keys = index.tolist() if hasattr(index, "tolist") else list(index)
     if len(keys) != scores.shape[0]:
         raise ValueError(f"index has {len(keys)} ids for {scores.shape[0]} responses")
     group_of = {}
     gid = torch.tensor([group_of.setdefault(k, len(group_of)) for k in keys], device=scores.device)
-    return gid, len(group_of)
+    zeros = scores.new_zeros(len(group_of))
+    return gid, zeros.index_add(0, gid, torch.ones_like(scores)), zeros.index_add(0, gid, scores)
 
 
 @torch.no_grad()
@@ -191,11 +191,9 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
         None: response_mask. The advantages sit on response_mask's tokens.
     """
     scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
-    gid, n_groups = group_ids(index, scores)
-    zeros = scores.new_zeros(n_groups)
-    count = zeros.index_add(0, gid, torch.ones_like(scores))
-    mean = zeros.index_add(0, gid, scores) / count
-    sq_dev = zeros.index_add(0, gid, (scores - mean[gid]) ** 2)
+    gid, count, total = group_stats(index, scores)
+    mean = total / count
+    sq_dev = torch.zeros_like(count).index_add(0, gid, (scores - mean[gid]) ** 2)
     std = (sq_dev / (count - 1).clamp(min=1)).sqrt()
     # verl's convention for a lone response: mean 0, std 1, i.e. the advantage is the score.
     single = count == 1
@@ -215,10 +213,8 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, sc
     the same prompt (`index`: one id per row); a lone response keeps its score. returns == advantages.
     score_mask: as in GRPO."""
     scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
-    gid, n_groups = group_ids(index, scores)
-    zeros = scores.new_zeros(n_groups)
-    count = zeros.index_add(0, gid, torch.ones_like(scores))[gid]
-    total = zeros.index_add(0, gid, scores)[gid]
+    gid, count, total = group_stats(index, scores)
+    count, total = count[gid], total[gid]
     others_mean = (total - scores) / (count - 1).clamp(min=1)
     adv = torch.where(count > 1, scores - others_mean, scores)
     advantages = adv.unsqueeze(-1) * response_mask.to(scores.dtype)
@@ -247,10 +243,8 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, 
     real token, whitened over the real tokens. returns == advantages. score_mask: as in GRPO (the
     whitening reads response_mask)."""
     scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
-    gid, n_groups = group_ids(index, scores)
-    zeros = scores.new_zeros(n_groups)
-    count = zeros.index_add(0, gid, torch.ones_like(scores))
-    mean = torch.where(count > 1, zeros.index_add(0, gid, scores) / count, 0.0)
+    gid, count, total = group_stats(index, scores)
+    mean = torch.where(count > 1, total / count, 0.0)
     centred = (scores - mean[gid]).unsqueeze(-1).expand(response_mask.shape)
     advantages = whiten_real_tokens(centred, response_mask, whiten_stats)
     return advantages, advantages
@@ -260,6 +254,8 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, 
 def compute_remax_outcome_advantage(token_level_rewards, response_mask, baselines):
     """ReMax: returns G_t = Σ_{t'≥t} r_t' over the real tokens (no discount) and advantages G_t − b,
     with b = `baselines` [batch], the score of the greedy response to the row's prompt."""
+    if baselines is None:
+        raise ValueError("remax needs `baselines`: the scores of a greedy rollout of each row's prompt")
     mask = response_mask.bool()
     returns = zero_masked(zero_masked(token_level_rewards, mask).flip(-1).cumsum(-1).flip(-1), mask)
     b = torch.as_tensor(baselines, dtype=returns.dtype, device=returns.device)
@@ -274,9 +270,9 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, ind
     """GRPO pass@k: the best response of each group gets r_max − r_second (÷ (std + eps) with
     norm_adv_by_std, unbiased std), the others 0. returns == advantages. score_mask: as in GRPO."""
     scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
-    gid, n_groups = group_ids(index, scores)
+    gid, count, _ = group_stats(index, scores)
     adv = torch.zeros_like(scores)
-    for g in range(n_groups):
+    for g in range(len(count)):
         rows = (gid == g).nonzero().squeeze(-1)
         if len(rows) < 2:
             raise ValueError(f"grpo_passk needs at least 2 responses per prompt, got {len(rows)}")
@@ -288,73 +284,51 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, ind
     return advantages, advantages
 
 
-# ---------------------------------------------------------------------------------------------
-# The table train_ppo.py reads: name -> how to call it, whether it needs a critic, whether it
-# compares the responses to one prompt (then rollout.n > 1 and a prompt's responses stay on one
-# rank), whether it needs the greedy baseline rollout. Every entry is called the same way:
-#     fn(token_level_rewards, response_mask, values, index, alg, whiten_stats, baselines=None,
-#        score_mask=None) -> (advantages, returns)
-# response_mask: the tokens the advantages (and GAE, REINFORCE++, ReMax) run over, after rejection;
-# values: the critic's [N, R] (None without one); index: the prompt id of each row; alg: the
-# config's `algorithm` section; whiten_stats: the cross-rank moment reduction; baselines: [N], the
-# score of a greedy response to each row's prompt, only read (and then required) by remax;
-# score_mask: the rollout's mask, whose tokens' rewards sum to each response's score in the outcome
-# estimators (grpo, rloo, reinforce_plus_plus_baseline, grpo_passk; None: response_mask). See 'Two masks'.
-# ---------------------------------------------------------------------------------------------
+def compute_advantage(name, token_level_rewards, response_mask, values, index, alg, whiten_stats=None,
+                      baselines=None, score_mask=None):
+    """verl's compute_advantage: (advantages, returns) by the estimator `name` (algorithm.adv_estimator),
+    each given what it reads. response_mask: the tokens the advantages (and GAE, REINFORCE++, ReMax) run
+    over, after rejection; values: the critic's [N, R] (gae); index: the prompt id of each row; alg: the
+    config's `algorithm` section (gamma, lam, norm_adv_by_std_in_grpo); whiten_stats: the cross-rank moment
+    reduction; baselines: [N], the score of a greedy response to each row's prompt (remax); score_mask: the
+    rollout's mask, whose tokens' rewards sum to each score in the outcome estimators ('Two masks')."""
+    if name == "gae":
+        return compute_gae_advantage_return(token_level_rewards, values, response_mask, alg.gamma, alg.lam,
+                                            whiten_stats)
+    if name == "grpo":
+        return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, alg.norm_adv_by_std_in_grpo,
+                                              score_mask=score_mask)
+    if name == "rloo":
+        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, score_mask)
+    if name == "reinforce_plus_plus":
+        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, alg.gamma,
+                                                             whiten_stats)
+    if name == "reinforce_plus_plus_baseline":
+        return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
+                                                                      whiten_stats, score_mask)
+    if name == "remax":
+        return compute_remax_outcome_advantage(token_level_rewards, response_mask, baselines)
+    if name == "grpo_passk":
+        return compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index,
+                                                    alg.norm_adv_by_std_in_grpo, score_mask=score_mask)
+    raise ValueError(f"unknown adv_estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
+
 
 class Estimator(NamedTuple):
-    fn: Callable
+    """What the rest of the run must know of an estimator: whether it needs a critic; whether it compares
+    the responses to one prompt (then rollout.n > 1 and a prompt's responses stay on one rank); whether
+    the step must roll out greedily for its `baselines`."""
     needs_critic: bool
     grouped: bool
-    needs_greedy_baseline: bool = False  # the step must roll out greedily and pass the scores as `baselines`
+    needs_greedy_baseline: bool = False
 
 
-def _gae(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
-         score_mask=None):
-    return compute_gae_advantage_return(token_level_rewards, values, response_mask, alg.gamma, alg.lam, whiten_stats)
-
-
-def _grpo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
-          score_mask=None):
-    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, alg.norm_adv_by_std_in_grpo,
-                                          score_mask=score_mask)
-
-
-def _rloo(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
-          score_mask=None):
-    return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, score_mask)
-
-
-def _reinforce_pp(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
-                  score_mask=None):
-    return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, alg.gamma, whiten_stats)
-
-
-def _reinforce_pp_baseline(token_level_rewards, response_mask, values, index, alg, whiten_stats=None,
-                           baselines=None, score_mask=None):
-    return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
-                                                                  whiten_stats, score_mask)
-
-
-def _remax(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
-           score_mask=None):
-    if baselines is None:
-        raise ValueError("remax needs `baselines`: the scores of a greedy rollout of each row's prompt")
-    return compute_remax_outcome_advantage(token_level_rewards, response_mask, baselines)
-
-
-def _grpo_passk(token_level_rewards, response_mask, values, index, alg, whiten_stats=None, baselines=None,
-                score_mask=None):
-    return compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index,
-                                                alg.norm_adv_by_std_in_grpo, score_mask=score_mask)
-
-
-ESTIMATORS = {
-    "gae": Estimator(_gae, needs_critic=True, grouped=False),
-    "grpo": Estimator(_grpo, needs_critic=False, grouped=True),
-    "rloo": Estimator(_rloo, needs_critic=False, grouped=True),
-    "reinforce_plus_plus": Estimator(_reinforce_pp, needs_critic=False, grouped=False),
-    "reinforce_plus_plus_baseline": Estimator(_reinforce_pp_baseline, needs_critic=False, grouped=True),
-    "remax": Estimator(_remax, needs_critic=False, grouped=False, needs_greedy_baseline=True),
-    "grpo_passk": Estimator(_grpo_passk, needs_critic=False, grouped=True),
+ESTIMATORS = {  # the names compute_advantage knows (the config validates algorithm.adv_estimator against them)
+    "gae": Estimator(needs_critic=True, grouped=False),
+    "grpo": Estimator(needs_critic=False, grouped=True),
+    "rloo": Estimator(needs_critic=False, grouped=True),
+    "reinforce_plus_plus": Estimator(needs_critic=False, grouped=False),
+    "reinforce_plus_plus_baseline": Estimator(needs_critic=False, grouped=True),
+    "remax": Estimator(needs_critic=False, grouped=False, needs_greedy_baseline=True),
+    "grpo_passk": Estimator(needs_critic=False, grouped=True),
 }

@@ -42,7 +42,7 @@ heads, so there the K/V heads are repeated to H first, as for a mask.
 FlexAttention's block mask comes from a compiled `create_block_mask` on CUDA. Eager, it evaluates
 the mask at every (query, key) pair, a B x T x T tensor (even in 2.14, whose `_compile=True` is
 just this compile); compiled, inductor can fuse that evaluation into the per-block reduction (not
-yet measured on a GPU here). The second packed length recompiles it with the length dynamic;
+yet timed on a GPU here). The second packed length recompiles it with the length dynamic;
 later lengths reuse that graph.
 
 Decode: one query per row attends over all cache slots. The G query heads of a KV head become G

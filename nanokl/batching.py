@@ -170,3 +170,25 @@ def micro_batch(batch, rows, spec: Batching, host):
     lay = A.Layout("causal") if len(docs) == 1 else A.packed_layout(docs, seq_ids, cu_d.to(torch.int32))
     ids = mb["sequences"].reshape(-1)[flat_d][None]
     return mb, ModelInputs((ids, seq_ids, pos_d[None]), lay, index_d.flatten(), rows_d, index_d)
+
+
+def agreed_micro_batches(batch, rows, spec: Batching, host, agree=max, skip_empty=False):
+    """(micro-batch, its model inputs, whether it is the last) for the rows `rows` (host ints; None: every
+    row) of `batch`, cut by `split` into the count that `agree` makes of this rank's (nanokl/dist.py's
+    agreed_count: the max over ranks), each built by `micro_batch` from `host` (the batch's host_mask):
+    no device read.
+
+    DDP and FSDP synchronise inside every backward, so every rank runs the agreed count; a rank with
+    fewer sequences than that count gets empty micro-batches, and each runs a masked-out row instead (the
+    first of `rows`, its response_mask zeroed: no loss, no gradient), so its collectives still match.
+    `skip_empty` (the no-grad passes) skips them instead."""
+    local = host if rows is None else host[rows]
+    rows = list(range(len(host))) if rows is None else rows
+    groups = split(local, spec, agree)
+    for j, part in enumerate(groups):
+        if not part and skip_empty:
+            continue
+        mb, inputs = micro_batch(batch, [rows[i] for i in part] or rows[:1], spec, host)
+        if not part:  # a masked-out row: it still runs forward and backward
+            mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+        yield mb, inputs, j == len(groups) - 1

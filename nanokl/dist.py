@@ -101,12 +101,9 @@ micro-batch), and at world size 1 one gather
 import contextlib
 import gc
 import os
-import re
 import sys
-import warnings
 import weakref
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -146,52 +143,11 @@ def init():
 
 def local_device(setting="auto"):
     """This process's device for trainer.device = cpu | cuda | auto (CUDA when there is one);
-    on CUDA the GPU torchrun gave it (LOCAL_RANK). `auto` on a CUDA build of torch that finds no
-    usable GPU on a machine that has one (a driver loaded, or torch warning about CUDA) says why on
-    stderr, once: a driver older than the build needs otherwise looks like a run that chose the CPU
-    (torch 2.14's cu130 wheels need driver >= 580)."""
-    if setting == "cpu":
+    on CUDA the GPU torchrun gave it (LOCAL_RANK). Why `auto` found no GPU on a machine that has
+    one is the harness's to say (nanokl/harness/world.py: pick_device)."""
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if setting == "auto":
-        with warnings.catch_warnings(record=True) as caught:  # torch warns at most once: keep it
-            warnings.simplefilter("always")
-            usable = torch.cuda.is_available()
-        said = next((w for w in caught if "cuda" in str(w.message).lower()), None) if not usable else None
-        # a CUDA build of torch on a machine with no GPU (no driver loaded, torch silent) is ordinary:
-        # say nothing; a driver or torch's own CUDA warning means a GPU this run cannot use
-        gpu_here = said is not None or Path(_DRIVER_FILE).exists()
-        if not usable and torch.version.cuda and gpu_here and not _SAID_CPU:
-            _SAID_CPU.append(True)
-            print(f"nanokl: trainer.device=auto runs on the CPU: {_why_no_cuda(said)}", file=sys.stderr)
-        for w in caught:  # the others reach the caller's filters as if never caught
-            if w is not said:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        if not usable:
-            return torch.device("cpu")
     return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-
-
-_SAID_CPU = []
-# the oldest driver that runs a build for each CUDA major (NVIDIA's CUDA Compatibility guide, "Minor
-# Version Compatibility": 11.x >= 450, 12.x >= 525, 13.x >= 580)
-_MIN_DRIVER = {11: "450", 12: "525", 13: "580"}
-_DRIVER_FILE = "/proc/driver/nvidia/version"  # the loaded kernel module's version, without nvidia-smi
-
-
-def _why_no_cuda(warned):
-    """One line: the driver found, what this torch build needs, and torch's own warning if any."""
-    cuda = torch.version.cuda
-    need = _MIN_DRIVER.get(int(cuda.split(".")[0]))
-    why = f"torch {torch.__version__} is built for CUDA {cuda}"
-    why += f", which needs NVIDIA driver >= {need}" if need else ""
-    try:
-        found = re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", Path(_DRIVER_FILE).read_text())
-        why += f"; this machine's driver is {found.group(1)}" if found else f"; {_DRIVER_FILE} names no version"
-    except OSError:
-        why += f"; no NVIDIA driver loaded ({_DRIVER_FILE} absent)"
-    if warned is not None:  # e.g. "The NVIDIA driver on your system is too old (found version 12080)"
-        why += f"; torch: {' '.join(str(warned.message).split())[:240]}"
-    return why
 
 
 def active():
@@ -238,6 +194,12 @@ def all_reduce(t, op="sum"):
         dist.all_reduce(t, op=ops[op])
         t = t.to(home)
     return t
+
+
+def agreed_count(count):
+    """The count every rank uses: the largest any rank has (one all-reduce; e.g. of micro-batches,
+    nanokl/batching.py's agreed_micro_batches, since every rank must run as many)."""
+    return all_reduce(torch.tensor(count), op="max").item()
 
 
 def all_reduce_moments(stats):

@@ -64,11 +64,6 @@ def sequence_log_probs(token_log_probs, response_mask):
     return masked_sum(token_log_probs, response_mask, dim=-1)
 
 
-def split_pairs(x):
-    """Rows alternate (chosen, rejected) of one prompt: [2P, ...] -> ([P, ...], [P, ...])."""
-    return x[0::2], x[1::2]
-
-
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, loss_type="sigmoid"):
     """Per-pair DPO ("sigmoid") or IPO ("ipo") losses [P] from [P] sequence log-probs, and
     metrics as detached 0-d *sums* over the pairs (the caller all-reduces and divides by the

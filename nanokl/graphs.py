@@ -1,38 +1,42 @@
-"""The CUDA-graph engine: nanokl/rollout.py's decode step, captured once and replayed.
+"""The CUDA-graph engine: capture a step over static buffers once, then replay it.
 
 Why. A decode step is hundreds of small kernels, and eagerly the CPU launches each one, every
-token: at small batch the GPU waits on the launches. The step's tensors have fixed shapes and
-storage (nanokl/rollout.py), so on CUDA the whole step (forward, sampling, EOS bookkeeping, writing
-the outputs) is captured once into a `torch.cuda.CUDAGraph` and replayed: one launch per token
-instead of hundreds. `generate` here is nanokl.rollout.generate with that replay behind it; the
-prefill, the decode loop and the trimming are rollout's own functions, and with graphs off (or on a
-device without them) it *is* rollout.generate. Nothing of the algorithm lives here.
+token: at small batch the GPU waits on the launches. If a step's tensors have fixed shapes and
+storage, the whole step can be captured once into a `torch.cuda.CUDAGraph` and replayed: one launch
+per token instead of hundreds. This module is that mechanism and nothing of the algorithm: it knows
+the model's KV cache (nanokl/model.py) and how to capture, not what a step does. nanokl/rollout.py
+(its `generate`) hands it the step to capture (`decode_step` over the engine's buffers) and the
+class of its step state (`DecodeState`), and drives prefill, replays and trimming itself.
 
-The CUDA-graph engine
+The engine of a model
 ---------------------
 A graph replays kernels on fixed *addresses*, so everything it touches must be allocated once and
-kept: the engine of a model (`GraphEngine`, one per model, found by `generate`) owns
+kept: the engine of a model (`GraphEngine`, one per model, `engine_for(model, rows, slots)`) owns
 
-- the buffers, sized once: a KV cache and a `DecodeState` of `max_batch` rows (rounded up to a
-  bucket) by `max_len` = longest prompt + response slots. A training run sizes it from its config
-  before the first step (`make_engine`, called by nanokl/harness/run.py: rows per rank
-  train_batch_size / W x n, or the validation chunk if larger). Batch buckets follow nano-vllm:
-  1, 2, 4, 8, then multiples of 16 up to the first one that holds max_batch; a batch runs in the
-  smallest bucket that fits it (165 rows run in 176, not 256), the extra rows computing garbage
-  that is never read.
-- the graphs: one captured decode step per key (bucket, slot span, sampling settings, EOS ids,
-  pad id), captured on its first use and then replayed for the engine's life. Nothing in the key
-  names an object: a fresh generator every PPO step must not mean a fresh capture every step.
-  The span is how much of the cache a step attends over: the first multiple of `SLOT_SPAN` (256)
-  slots that holds the filled ones, capped at max_len, so a step at slot 300 of a 1024-slot cache
-  reads 512 slots, not 1024. A call captures every span it will reach before its prefill (a
-  capture's warm-up runs write into the buffers).
-- its own random generator, registered with every graph (a graph replays the random kernels of
-  the generators registered with it, advancing their offsets). The caller's generator state is
-  copied into it before the prefill and copied back after the last step, so a seed chooses the
-  tokens exactly as in eager decoding and the caller's generator advances as if it had drawn them.
-  (Exactly, when the batch fills its bucket. A smaller batch draws noise for the whole bucket
-  every step, so its tokens are a different draw from the same distribution as eager decoding's.)
+- the buffers, sized once: a KV cache of `max_batch` rows (rounded up to a bucket) by `max_len` =
+  longest prompt + response slots, and the caller's step state of the same size (`static(make)`:
+  made by the caller's `make(rows, slots, device)` on first use, kept until a rebuild). A training
+  run sizes it from its config before the first step (`make_engine`, called by
+  nanokl/harness/run.py: rows per rank train_batch_size / W x n, or the validation chunk if
+  larger). Batch buckets follow nano-vllm: 1, 2, 4, 8, then multiples of 16 up to the first one
+  that holds max_batch; a batch runs in the smallest bucket that fits it (165 rows run in 176, not
+  256), the extra rows computing garbage that is never read.
+- the graphs: one captured step per key (`graph(key, make_step)`; rollout's key is bucket, slot
+  span, sampling settings, EOS ids, pad id), captured on its first use and then replayed for the
+  engine's life. `make_step()` runs only at that capture and returns the callable captured; the
+  engine keeps it with its graph, and with it whatever it reads (the EOS ids' tensor). Nothing in
+  a key names an object: a fresh generator every PPO step must not mean a fresh capture every step.
+  The span (`span(filled)`) is how much of the cache a step attends over: the first multiple of
+  `SLOT_SPAN` (256) slots that holds the filled ones, capped at max_len, so a step at slot 300 of a
+  1024-slot cache reads 512 slots, not 1024. A capture's warm-up runs write into the buffers, so a
+  caller captures every span it will reach before it fills them.
+- its own random generator `gen`, registered with every graph (a graph replays the random kernels
+  of the generators registered with it, advancing their offsets); the captured step must draw from
+  it. rollout copies the caller's generator state into it before the prefill and back after the
+  last step, so a seed chooses the tokens exactly as in eager decoding and the caller's generator
+  advances as if it had drawn them. (Exactly, when the batch fills its bucket. A smaller batch
+  draws noise for the whole bucket every step, so its tokens are a different draw from the same
+  distribution as eager decoding's.)
 
 Memory. The engine's buffers are the rollout's largest allocation after the weights: per row and
 slot, every layer keeps a key and a value vector per KV head,
@@ -40,16 +44,16 @@ slot, every layer keeps a key and a value vector per KV head,
     KV cache bytes = layers x 2 x kv_heads x head_dim x slots x rows x bytes per element
 
 (Qwen2.5-0.5B in bf16: 24 x 2 x 2 x 64 x 2 = 12 KiB per row-slot, so 256 rows x 1536 slots hold
-4.5 GiB), plus 13 bytes per row-slot for the valid mask and the decode outputs. vLLM bounds its
-weights, activations and KV cache by `gpu_memory_utilization` x the device's memory. nanokl's
+4.5 GiB), plus 13 bytes per row-slot for the valid mask and rollout's decode outputs. vLLM bounds
+its weights, activations and KV cache by `gpu_memory_utilization` x the device's memory. nanokl's
 rollout weights are already allocated when the engine is sized, and the trainer's models share the
 device, so `make_engine(..., memory_fraction=f)` checks that the buffers fit in f x total memory
 minus what is in use on the device (`torch.cuda.mem_get_info`, after the caching allocator returns
-its free blocks): once they exist the device is at most f full, and the rest is for the gradients,
-Adam's moments (created at the first optimizer step) and the activations. Buffers that do not fit
-are refused (`KVBudgetError`), not capped: the training rollout generates all of a rank's rows in
-one call, so a smaller engine would be rebuilt at full size by the first step (below). Only the
-sizing is checked, not a rebuild.
+its free blocks): once they exist (the cache at once, the step state at the first generation) the
+device is at most f full, and the rest is for the gradients, Adam's moments (created at the first
+optimizer step) and the activations. Buffers that do not fit are refused (`KVBudgetError`), not
+capped: the training rollout generates all of a rank's rows in one call, so a smaller engine would
+be rebuilt at full size by the first step (below). Only the sizing is checked, not a rebuild.
 
 A call that does not fit (more rows or more slots than sized, or weights moved to new storage by
 `model.to()` / a new module: their old addresses are what the graphs read) *rebuilds* the engine:
@@ -64,8 +68,8 @@ for free.
 and rebuilds since `make_engine` (or the first call), live graphs, and the sizing; a 4-step PPO run
 should show one capture per (bucket, span, sampling setting) it used and no rebuild.
 
-The CUDA graph API is reached through `graph_api` only, so the CPU tests can swap in a stand-in
-that records the step's aten ops at capture and re-executes them on replay.
+The CUDA graph API is reached through `graph_api` only (`on_graph_device` too), so the CPU tests
+can swap in a stand-in that records the step's aten ops at capture and re-executes them on replay.
 
 Tests: tests/test_rollout_graphs.py (on CPU, with the recording stand-in: captures once per bucket
 over a simulated PPO run with new seeds each step; seeds honoured; replay equals eager, across
@@ -81,9 +85,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanokl import rollout
 from nanokl.model import KVCache
-from nanokl.rollout import DecodeState, RolloutOutput, decode_step
 
 # The CUDA graph API, reached only through here: tests/test_rollout_graphs.py swaps in a stand-in
 # that records and replays on CPU. Graphs run on `device_type`.
@@ -91,55 +93,13 @@ graph_api = SimpleNamespace(device_type="cuda", CUDAGraph=torch.cuda.CUDAGraph, 
                             Stream=torch.cuda.Stream, stream=torch.cuda.stream,
                             current_stream=torch.cuda.current_stream, graph_pool_handle=torch.cuda.graph_pool_handle)
 
-
-def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0,
-             do_sample=True, eos_token_id=None, pad_token_id=0, generator=None, use_cuda_graph=None,
-             n=1) -> RolloutOutput:
-    """nanokl.rollout.generate, with the decode step replayed from the model's graph engine when
-    `use_cuda_graph` (default: on a device that has graphs); otherwise rollout.generate itself."""
-    graphs_here = input_ids.device.type == graph_api.device_type
-    if not (graphs_here if use_cuda_graph is None else bool(use_cuda_graph) and graphs_here):
-        return rollout.generate(model, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p,
-                                do_sample, eos_token_id, pad_token_id, generator, n)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
-    with torch.inference_mode():
-        out = _generate(model, input_ids, attention_mask, max_new_tokens, sampling,
-                        rollout.eos_list(eos_token_id), pad_token_id, generator, n)
-    return rollout.cloned(out)
-
-
-def _generate(model, input_ids, attention_mask, R, sampling, eos, pad_token_id, generator, n) -> RolloutOutput:
-    """rollout._generate on the engine's buffers, with a replay for each decode step."""
-    dev = input_ids.device
-    B, P = input_ids.shape
-    eos_ids = torch.tensor(eos, dtype=torch.long, device=dev)
-    engine = _engine_for(model, B * n, P + R)
-    cache, state = engine.cache, engine.state.rows(B * n)
-    # capture (first use only) every slot span this call will reach, before the prefill: the
-    # warm-up runs scribble on the cache and the state
-    spans = sorted({engine.span(P + t) for t in range(1, R)})
-    graphs = {S: engine.graph(model, engine.bucket(B * n), S, eos, pad_token_id, sampling) for S in spans}
-    caller_gen = generator if generator is not None else _default_generator(dev)
-    engine.gen.set_state(caller_gen.get_state())  # the generator the graphs draw from takes over the caller's state
-    prompt = rollout.prefill(model, cache, cache.view(rows=B, slots=P), state, input_ids, attention_mask, n, R,
-                             eos_ids, pad_token_id, sampling, engine.gen)  # the prompt needs only its own slots
-    # each step attends over the span that holds the P + t filled slots
-    steps = rollout.decode(state, R, lambda t: graphs[engine.span(P + t)].replay())
-    caller_gen.set_state(engine.gen.get_state())  # the caller's generator advances as if it had drawn
-    return rollout.trim(state, steps, eos_ids, *prompt)
-
-
-def _default_generator(dev):
-    if dev.type == "cuda":
-        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
-    return torch.default_generator
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA graphs: buffers sized once per model, one captured decode step per bucket and setting.
-
 _ENGINES = weakref.WeakKeyDictionary()  # model -> its GraphEngine, dropped with the model
 SLOT_SPAN = 256  # a decode graph attends over the first multiple of this many slots that holds the filled ones
+
+
+def on_graph_device(device):
+    """Whether tensors on `device` can be captured (read at call time: the tests swap `graph_api`)."""
+    return device.type == graph_api.device_type
 
 
 def make_engine(model, max_batch, max_len, memory_fraction=None, key="memory_fraction"):
@@ -149,7 +109,7 @@ def make_engine(model, max_batch, max_len, memory_fraction=None, key="memory_fra
     checks the buffers against that share of the device's memory (the module docstring's
     "Memory"), raising KVBudgetError, whose message names `key`, when they do not fit."""
     p = next(model.parameters())
-    if p.device.type != graph_api.device_type:
+    if not on_graph_device(p.device):
         return None
     memory = device_memory(p.device) if memory_fraction is not None else None
     if memory is not None:
@@ -176,7 +136,8 @@ def kv_cache_bytes(cfg, rows, slots, dtype):
 
 def engine_bytes(cfg, rows, slots, dtype):
     """What an engine of `rows` x `slots` allocates: the KV cache, its valid mask (bool) and the
-    decode state's output columns (a long token and a float log-prob); a few bytes per row besides."""
+    step state rollout makes in it, whose output columns are a long token and a float log-prob per
+    row-slot; a few bytes per row besides."""
     return kv_cache_bytes(cfg, rows, slots, dtype) + rows * slots * (1 + 8 + 4)
 
 
@@ -210,7 +171,7 @@ def batch_buckets(max_batch):
     return [b for b in sizes if b <= top]
 
 
-def _engine_for(model, rows, length):
+def engine_for(model, rows, length):
     """The engine of this model, made by this call when there is none, rebuilt when the call does
     not fit it (see the module docstring)."""
     eng = _ENGINES.get(model)
@@ -227,7 +188,7 @@ def _weight_ptrs(model):
 
 
 class GraphEngine:
-    """The static buffers of one model's rollout and its captured decode steps."""
+    """The static buffers of one model's rollout and the steps captured over them."""
 
     def __init__(self, model, max_batch, max_len):
         self.captures = self.rebuilds = 0
@@ -239,7 +200,6 @@ class GraphEngine:
         self.buckets, self.max_len = batch_buckets(max(max_batch, 1)), max_len
         self.ptrs = _weight_ptrs(model)
         self.cache = KVCache(model.config, self.buckets[-1], max_len, device=p.device, dtype=p.dtype)
-        self.state = DecodeState(self.buckets[-1], max_len, p.device)
         self.gen = torch.Generator(p.device)
         self.pool = graph_api.graph_pool_handle()
 
@@ -257,28 +217,32 @@ class GraphEngine:
         """Cache slots a decode step attends over when `filled` slots are in use."""
         return min(-(-filled // SLOT_SPAN) * SLOT_SPAN, self.max_len)
 
-    def graph(self, model, bucket, span, eos, pad_token_id, sampling):
-        """The captured decode step for this bucket, span and setting (captured on its first use)."""
-        key = (bucket, span, tuple(sampling.items()), tuple(eos), pad_token_id)
+    def static(self, make):
+        """The caller's step state, `make(rows, slots, device)` at the engine's full size: made on
+        first use (make_engine cannot know its class) and kept, at fixed addresses, until a rebuild."""
+        if self.state is None:
+            self.state = make(self.buckets[-1], self.max_len, self.cache.k.device)
+        return self.state
+
+    def graph(self, key, make_step):
+        """The graph captured under `key`; on its first use, of the callable `make_step()` returns
+        (a step over this engine's buffers that draws from `self.gen`). The step is kept with its
+        graph: the tensors it closes over are read at their addresses on every replay."""
         if key not in self.graphs:
-            # the graph reads the EOS ids from this tensor's address on every replay: keep it alive
-            eos_static = torch.tensor(eos, dtype=torch.long, device=self.cache.k.device)
-            self.graphs[key] = (self._capture(model, bucket, span, eos_static, pad_token_id, sampling), eos_static)
+            self.captures += 1
+            step = make_step()
+            self.graphs[key] = (self._capture(step), step)
         return self.graphs[key][0]
 
-    def _capture(self, model, bucket, span, eos_ids, pad_token_id, sampling):
-        self.captures += 1
-        cache, state = self.cache.view(rows=bucket, slots=span), self.state.rows(bucket)
-        for t in (state.slot, state.col, state.positions, state.done):
-            t.zero_()  # warm-up writes at slot/column 0..1; generate() re-initialises all of it after
+    def _capture(self, step):
         s = graph_api.Stream()
         s.wait_stream(graph_api.current_stream())
         with graph_api.stream(s):  # warm-up (cuBLAS handles, allocator) off the capture stream
             for _ in range(2):
-                decode_step(model, cache, state, eos_ids, pad_token_id, sampling, self.gen)
+                step()
         graph_api.current_stream().wait_stream(s)
         graph = graph_api.CUDAGraph()
         graph.register_generator_state(self.gen)
         with graph_api.graph(graph, pool=self.pool):
-            decode_step(model, cache, state, eos_ids, pad_token_id, sampling, self.gen)
+            step()
         return graph

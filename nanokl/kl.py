@@ -1,58 +1,41 @@
 """KL estimators: how far has the policy drifted from the reference model?
 
-The idea
---------
-RLHF keeps the tuned policy π close to the frozen reference π_ref by paying for the divergence
-KL(π‖π_ref) = E_{x~π}[log π(x) − log π_ref(x)]. For each sampled token x we only have the two
-numbers logprob = log π(x) and ref_logprob = log π_ref(x); a *KL estimator* is a function of them
-whose average over tokens sampled from π approximates the KL. With Δ = log π(x) − log π_ref(x)
-and r = π_ref(x)/π(x) = exp(−Δ) (John Schulman, "Approximating KL Divergence", 2020,
-http://joschu.net/blog/kl-approx.html):
+RLHF pays for KL(π‖π_ref) = E_{x~π}[log π(x) − log π_ref(x)], but a sampled token x carries only
+two numbers, logprob = log π(x) and ref_logprob = log π_ref(x). An estimator is a function of them
+whose mean over x ~ π approximates the KL. With Δ = log π(x) − log π_ref(x) and r = e^{−Δ}
+(John Schulman, "Approximating KL Divergence", 2020, http://joschu.net/blog/kl-approx.html):
 
-    k1 = Δ                  unbiased (E_π[Δ] = KL by definition), but negative whenever
-                            π_ref(x) > π(x): noisy.
-    k2 = ½Δ²                biased, ≥ 0: the f-divergence with f(r) = ½(log r)², equal to KL to
-                            second order. From E_π[e^{−Δ}] = Σπ_ref = 1,
-                            KL = ½E[Δ²] − ⅙E[Δ³] + O(Δ⁴), so E[k2] − KL = ⅙E_π[Δ³] + O(Δ⁴).
-    k3 = r − log r − 1      unbiased (E_π[r] = 1 so E[k3] = E[−log r] = KL), ≥ 0 for every
-       = e^{−Δ} + Δ − 1     sample (log r ≤ r − 1): k1 plus the zero-mean control variate r − 1,
-                            with less variance than k1 when π ≈ π_ref. GRPO's KL loss.
-    abs = |Δ|               a heuristic of some RLHF codebases; neither unbiased nor smooth.
-    full = Σ_v π(v)(log π(v) − log π_ref(v))   the exact KL at each position, from logits.
+    k1 = Δ                unbiased (E_π[Δ] = KL), but negative where π_ref(x) > π(x): noisy.
+    k2 = ½Δ²              ≥ 0, biased: E_π[e^{−Δ}] = 1 gives KL = ½E[Δ²] − ⅙E[Δ³] + O(Δ⁴),
+                          so E[k2] − KL = ⅙E_π[Δ³] + O(Δ⁴).
+    k3 = r − log r − 1    unbiased (E_π[r] = 1), ≥ 0 per sample (log r ≤ r − 1): k1 plus the
+                          zero-mean control variate r − 1, less noisy when π ≈ π_ref. GRPO's.
+    abs = |Δ|             a heuristic, neither unbiased nor smooth.
+    full = Σ_v π(v)(log π(v) − log π_ref(v))   the exact KL at each position, from both logits.
 
-verl calls k1 "kl", k2 "mse" and k3 "low_var_kl"; both spellings are accepted. As in verl's
-`kl_penalty_forward`, k3 clamps −Δ to [−20, 20] before the exponential and the result to
-[−10, 10], so even |Δ| = 50 gives a finite value and gradient; e^{x} − x − 1 is computed as
-expm1(x) − x, which stays accurate in float32 for small x.
+verl calls k1 "kl", k2 "mse", k3 "low_var_kl"; both spellings work. As verl's `kl_penalty_forward`,
+k3 clamps −Δ to [−20, 20] before the exponential and the result to [−10, 10]; e^x − x − 1 is
+expm1(x) − x here, accurate in float32 for small x.
 
-Straight-through "+" forms
---------------------------
-Unbiased values do not mean unbiased gradients. As a loss (GRPO's use_kl_loss) we want
-∇_θ KL(π_θ‖π_ref) = E_π[Δ·∇log π]. Differentiating one sample's estimate gives
-  ∇k1 = ∇log π            mean E_π[∇log π] = 0: no signal at all;
-  ∇k3 = (1 − r)·∇log π    mean ∇ KL(π_ref‖π_θ): the *reverse* KL;
-  ∇k2 = Δ·∇log π          mean ∇ KL(π_θ‖π_ref): the one we want.
-So `k1+`, `kl+`, `abs+`, `k3+`, `low_var_kl+` return the base estimator's value with k2's gradient,
-out = base.detach() + (k2 − k2.detach()): the bracket is exactly 0 forward (as in verl's `kl_penalty`).
+Straight-through "+" forms. As a loss (GRPO's use_kl_loss) we want ∇_θ KL(π_θ‖π_ref) =
+E_π[Δ·∇log π]. One sample's estimate differentiates to ∇k1 = ∇log π (mean 0: no signal),
+∇k3 = (1 − r)·∇log π (mean: ∇ of the *reverse* KL(π_ref‖π_θ)) and ∇k2 = Δ·∇log π (the one we
+want). So `k1+`, `kl+`, `abs+`, `k3+`, `low_var_kl+` are base.detach() + (k2 − k2.detach()):
+the base's value, k2's gradient (the bracket is exactly 0 forward; verl's `kl_penalty`).
 
-Masked tokens. The caller masks (agg_loss selects), so a padded entry gets a gradient of 0. That 0
-must not meet a non-finite derivative: k2's is Δ and abs's sign(Δ), so where Δ is ±inf or NaN they
-keep the value but get no gradient path. k1's derivative is ±1 and k3's clamps select, so they need
-nothing. Differs from verl: see README, 'Where nanokl differs from verl'.
+Masked tokens get a gradient of 0 (the caller selects), and that 0 must not meet a non-finite
+derivative: where Δ is ±inf or NaN, k2 (derivative Δ) and abs (sign Δ) keep the value but get no
+gradient path; k1's derivative is ±1 and k3's clamps select.
 
-The exact KL from logits (`full`)
----------------------------------
-`full` needs no sample: it sums π(v)(log π(v) − log π_ref(v)) over all V tokens from both models'
-logits (divided by the sampling temperature), and as a loss its gradient is the exact
-∇_θ KL(π_θ‖π_ref) of each next-token distribution, without sampling noise. Only nanokl/workers.py
-holds both models' [batch, R, V] logits, micro-batch by micro-batch (`compute_full_kl` for the
-reward, `update_actor(..., ref=ref)` for the loss); the price is a few fp32 [mb, R, V] tensors
-(nanokl/workers.py counts them).
-Beside it the trainer logs k1 and k3 on the same tokens (actor/reward_kl_k1, _k3; actor/kl_loss_k1,
-_k3). Given a prefix, E_{x~π}[k1] = E_{x~π}[k3] = the exact KL, so their means should sit near it,
-apart by sampling noise (k1 scattered, k3 tighter). A lasting gap means the tokens were not drawn
-from π: top-k/top-p truncation, rollout numerics that differ from the trainer's, or (in the loss,
-after the first optimizer step) tokens from π_old while the KL is of π_θ.
+`full` has no sampling noise in value or gradient but needs both models' [batch, R, V] logits:
+only nanokl/workers.py holds them, micro-batch by micro-batch (`compute_full_kl`, `update_actor`).
+The trainer logs k1 and k3 on the same tokens beside it (actor/reward_kl_k1, _k3; actor/kl_loss_k1,
+_k3): both have the exact KL as their mean under π, so a lasting gap says the tokens were not drawn
+from π (top-k/top-p, rollout numerics that differ, or π_old's tokens after the first update).
+
+tests/test_kl.py checks every kind against a float64 formula, k1/k3's means and k2's ⅙E[Δ³] bias
+by Monte Carlo against an exact KL, `full` against kl_div, and the "+" forms' gradients.
+Differs from verl: see README, 'Where nanokl differs from verl'.
 """
 
 import torch

@@ -5,10 +5,9 @@ The problem
 Offline, every token the step sees was sampled by a behaviour policy μ, not by π. The KL the
 controller steers (nanokl/offline.py's self-normalised, importance-weighted estimate) corrects
 which token is drawn at a *logged* prefix, but not which prefixes π itself now reaches, and its
-truncation at C cuts the tokens π favours most. It under-reads the drift: measured on
-configs/offline_ppo.yaml (bench/RESULTS.md, "Offline RLHF"), the estimate sat on its target 0.050
-while the KL on fresh samples from π was 0.073 ± 0.006. No off-policy estimator sees mass on
-prefixes no logged response holds; only sampling π does.
+truncation at C cuts the tokens π favours most, so it under-reads the drift (bench/RESULTS.md,
+"Offline RLHF: PPO on logged responses, and DPO"). No off-policy estimator sees mass on prefixes
+no logged response holds; only sampling π does.
 
 The probe
 ---------
@@ -36,12 +35,12 @@ probes with an exponential moving average and added to every step's l:
 
 The controller then moves with l's step-to-step changes at once (no lag) while the probe fixes
 its level; where it holds KL_read on target the probes average the target. α = 1 with every = 1
-reads the probe alone. Measured over the second half of an offline_ppo.yaml run (seed 42): the
-step-to-step spread of p was 0.017 (a third of the 0.05 target), of KL_read 0.010, of l 0.009, for
-a mean gap of 0.012 that l alone never showed (bench/RESULTS.md, "The KL you set offline"). Additive rather than a ratio p/l: l is ~0 at the start (π = π_ref) and a k1
-estimate may even be negative, where a ratio blows up; near the target, where the controller
+reads the probe alone. Additive rather than a ratio p/l: l is ~0 at the start (π = π_ref) and a
+k1 estimate may even be negative, where a ratio blows up; near the target, where the controller
 holds it, the two corrections agree. The cost is counted in responses and tokens generated
-(kl_probe/responses, kl_probe/tokens, cumulative) to compare with an online run's.
+(kl_probe/responses, kl_probe/tokens, cumulative) to compare with an online run's; the spreads
+and costs of a run are in bench/RESULTS.md, "The KL you set offline: an on-policy probe for the
+controllers".
 
 Who reads KL_read: the reward's controller (β, nanokl/harness/variants.py's probed_kl), the KL
 monitor (it is actor/reward_kl_penalty; the logged estimate stays as rollout_corr/kl_logged) and, when
@@ -62,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokl import workers
-from nanokl.graphs import generate
+from nanokl.rollout import generate
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean
 

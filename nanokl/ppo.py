@@ -19,8 +19,7 @@ and ρ ≫ 1 the loss −ρA is still unbounded, so one stale token can own the 
 The log-ratio is clamped to [−20, 20] before the exponential so ρ stays finite. Diagnostics, as in
 verl's `compute_policy_loss_vanilla`: pg_clipfrac (clipping active), pg_clipfrac_lower (the dual
 clip active) and ppo_kl = mean of −log ρ, an estimate of KL(π_old‖π_θ): how far the epochs have
-walked from the sampler; and, for every loss (nanokl's, for the KL monitor), ratio_out_band = the
-share of tokens whose ρ leaves [0.8, 1.2], the offline-RLHF article's band. With `is_weights`
+walked from the sampler. With `is_weights`
 (responses another policy μ sampled, nanokl/offline.py) each token's loss is multiplied by
 w = min(π_old/μ, C) first; μ = π_old gives w = 1, the loss above.
 
@@ -34,8 +33,8 @@ neighbours stay; s_i moves the whole response in or out together. As in verl's
 s_i, its gradient s_i·∇log π_θ(y_it), so with A_it = A_i the seq-mean-token-mean gradient is GSPO's
 s_i·A_i·mean_t ∇log π_θ(y_it). The loss is max(−A·s, −A·clip(s, 1 − ε_low, 1 + ε_high)), no
 dual clip, log s clamped to ≤ 10 (not below), and verl always aggregates it seq-mean-token-mean,
-whatever loss_agg_mode says: here any other mode is refused, since `global_norm` must then count
-sequences. old_log_prob gets no gradient (it only enters through sg[s_i]).
+whatever loss_agg_mode says: so does nanokl (the config sets it, with a start-up note), since
+`global_norm` must then count sequences. old_log_prob gets no gradient (it only enters through sg[s_i]).
 
 CISPO (MiniMax-M1, arXiv:2506.13585) never drops a token's gradient: PPO's clip zeroes it outside
 the band, CISPO clips the *weight* and keeps the REINFORCE term, loss = −sg[clip(ρ, 1 − ε_low,
@@ -78,7 +77,6 @@ the backward, gathering z_y keeps nothing beyond the logits. Entropy H = −Σ p
 logsumexp(z) − Σ softmax(z)·z. Both compute in the logits' dtype (pass float32 for float32).
 """
 
-import math
 
 import torch
 
@@ -110,19 +108,6 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None)
         seq_losses = token_sums / (loss_mask.shape[-1] if horizon is None else horizon)
     norm = loss_mat.shape[0] if global_norm is None else global_norm
     return seq_losses.sum() / norm
-
-
-RATIO_BAND = (0.8, 1.2)  # the offline-RLHF article's band for π/π_old, watched by the KL monitor
-
-
-def ratio_out_band(old_log_prob, log_prob, response_mask, band=RATIO_BAND):
-    """actor/ratio_out_band: the share of valid tokens whose ratio π_θ/π_old = exp(logp − old_logp)
-    lies outside `band` (the offline-RLHF article keeps it within [0.8, 1.2]; a large share says
-    the update moved far past what one PPO step should, the clip notwithstanding). Compared in
-    log space, so a padded inf never meets the mask."""
-    log_ratio = zero_masked(log_prob, response_mask) - zero_masked(old_log_prob, response_mask)
-    lo, hi = math.log(band[0]), math.log(band[1])
-    return masked_mean(((log_ratio < lo) | (log_ratio > hi)).float(), response_mask)
 
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,

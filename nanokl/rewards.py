@@ -36,12 +36,13 @@ long. DAPO softens it over the last `len` tokens before the limit: with L the re
 0 up to L_max − len, then falling linearly to −penalty_factor at L = L_max (and further past it,
 never capped), added to the score before it is placed on the last token (`overlong_penalty`).
 
-Two variants replace the sampled estimate, each a step setup picks (nanokl/harness/variants.py):
+Two variants replace the sampled estimate:
 - the exact per-token KL Σ_v π(v)(log π(v) − log π_ref(v)) from both models' logits
   (`algorithm.kl_penalty=full`; computed micro-batch by micro-batch in nanokl/workers.py):
-  `apply_exact_kl_penalty` takes it instead of two log-probs;
+  `apply_kl_penalty` takes it as `kl=` instead of two log-probs;
 - on responses another policy μ sampled (offline, nanokl/offline.py), the controller reads the
-  importance-weighted estimate of the KL under π instead of the plain mean (`offline.weighted_kl`).
+  importance-weighted estimate of the KL under π instead of the plain mean (`offline.weighted_kl`;
+  the step's `run.read_kl`, chosen in nanokl/harness/variants.py).
 """
 
 import torch
@@ -77,18 +78,16 @@ def mean_kl(kl, response_mask, reduce=_same) -> float:
     return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
 
 
-def apply_exact_kl_penalty(token_level_scores, kl, response_mask, beta, reduce=_same):
-    """r_t = score_t − β·KL_t for a given per-token KL: (token_level_rewards, kl, current_kl), with
-    kl zeroed under the mask."""
+def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, beta, kind="kl", reduce=_same,
+                     kl=None):
+    """verl's apply_kl_penalty: KL_t = kl_penalty(old_log_prob, ref_log_prob, kind) at each sampled
+    token, r_t = score_t − β·KL_t. Returns (token_level_rewards, kl per token (0 under the mask),
+    current_kl). `kl`: the per-token KL when it cannot come from two log-probs (kind `full`: from
+    both models' whole distributions, workers.compute_full_kl)."""
+    if kl is None:
+        kl = kl_penalty(old_log_prob, ref_log_prob, kind)
     kl = zero_masked(kl, response_mask)
     return token_level_scores - beta * kl, kl, mean_kl(kl, response_mask, reduce)
-
-
-def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, beta, kind="kl", reduce=_same):
-    """verl's apply_kl_penalty: KL_t = kl_penalty(old_log_prob, ref_log_prob, kind) at each sampled
-    token, r_t = score_t − β·KL_t. Returns (token_level_rewards, kl per token, current_kl)."""
-    return apply_exact_kl_penalty(token_level_scores, kl_penalty(old_log_prob, ref_log_prob, kind), response_mask,
-                                  beta, reduce)
 
 
 def overlong_penalty(response_lengths, max_len, buffer_len, penalty_factor):

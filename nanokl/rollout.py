@@ -34,17 +34,27 @@ of decode steps actually run (at most `max_new_tokens`; generation stops when ev
 emitted an EOS). `response_mask` is 1 up to and including the first EOS; later tokens are pad.
 `attention_mask` and `position_ids` cover the whole sequence, ready for the training forward.
 
-Speed: nanokl/graphs.py captures this `decode_step` once in a CUDA graph and replays it (its `generate`).
+One entry: `generate`. Every caller samples through it (PPO's rollout, validation, generate.py,
+the SFT / reward-model / DPO helpers, the benchmarks). On the CPU it is the eager loop above. On
+CUDA (`use_cuda_graph`, by default on a device that has graphs) the same prefill, loop and trim run
+on the buffers of the model's graph engine (nanokl/graphs.py, an appendix: launches, not ideas):
+rollout hands the engine its `DecodeState` class to allocate once and a `decode_step` over those
+buffers to capture per (bucket, slot span, setting); each step is then one replay. The engine draws
+from its own generator, so the caller's state is copied in before the prefill and back after the
+last step: a seed picks the same tokens as eager decoding when the batch fills its bucket.
 
 Tests: tests/test_rollout.py (greedy equals argmax over full forwards without cache; returned
 log-probs equal a training forward; top-k/top-p never sample outside the allowed set; seeded
-sampling frequencies pass a chi-square test; EOS and masks).
+sampling frequencies pass a chi-square test; EOS and masks); the graph path against the eager one,
+tests/test_rollout_graphs.py (a recording stand-in for CUDA graphs, on CPU) and
+tests/test_rollout_cuda.py (on a GPU).
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from nanokl import graphs
 from nanokl.model import KVCache
 
 
@@ -132,12 +142,17 @@ def decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator=
 
 
 def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, top_k=-1, top_p=1.0,
-             do_sample=True, eos_token_id=None, pad_token_id=0, generator=None, n=1) -> RolloutOutput:
-    """Sample `n` responses per left-padded prompt, eagerly; see the module docstring for the layout."""
+             do_sample=True, eos_token_id=None, pad_token_id=0, generator=None, use_cuda_graph=None,
+             n=1) -> RolloutOutput:
+    """Sample `n` responses per left-padded prompt; see the module docstring for the layout. Each
+    decode step is a CUDA-graph replay when `use_cuda_graph` (default: on a device that has
+    graphs, not on the CPU), else an eager step."""
+    graphed = graphs.on_graph_device(input_ids.device) and (use_cuda_graph is None or bool(use_cuda_graph))
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
     with torch.inference_mode():
-        out = _generate(model, input_ids, attention_mask, max_new_tokens, sampling, eos_list(eos_token_id),
-                        pad_token_id, generator, n)
+        out = (_generate_graphed if graphed else _generate)(model, input_ids, attention_mask, max_new_tokens,
+                                                            sampling, eos_list(eos_token_id), pad_token_id,
+                                                            generator, n)
     return cloned(out)
 
 
@@ -153,6 +168,47 @@ def _generate(model, input_ids, attention_mask, R, sampling, eos, pad_token_id, 
     steps = decode(state, R, lambda t: decode_step(model, cache.view(slots=P + t), state, eos_ids, pad_token_id,
                                                    sampling, generator))
     return trim(state, steps, eos_ids, *prompt)
+
+
+def _generate_graphed(model, input_ids, attention_mask, R, sampling, eos, pad_token_id, generator,
+                      n) -> RolloutOutput:
+    """_generate on the model's graph engine: its cache and DecodeState, each decode step a replay."""
+    dev = input_ids.device
+    B, P = input_ids.shape
+    eos_ids = torch.tensor(eos, dtype=torch.long, device=dev)
+    engine = graphs.engine_for(model, B * n, P + R)
+    cache, state = engine.cache, engine.static(DecodeState).rows(B * n)
+    bucket = engine.bucket(B * n)
+    # capture (first use only) every slot span this call will reach, before the prefill: the
+    # warm-up runs scribble on the cache and the state
+    replays = {S: engine.graph((bucket, S, tuple(sampling.items()), tuple(eos), pad_token_id),
+                               lambda S=S: _static_step(model, engine, bucket, S, eos, pad_token_id, sampling))
+               for S in sorted({engine.span(P + t) for t in range(1, R)})}
+    caller_gen = generator if generator is not None else _default_generator(dev)
+    engine.gen.set_state(caller_gen.get_state())  # the generator the graphs draw from takes over the caller's state
+    prompt = prefill(model, cache, cache.view(rows=B, slots=P), state, input_ids, attention_mask, n, R,
+                     eos_ids, pad_token_id, sampling, engine.gen)  # the prompt needs only its own slots
+    # each step attends over the span that holds the P + t filled slots
+    steps = decode(state, R, lambda t: replays[engine.span(P + t)].replay())
+    caller_gen.set_state(engine.gen.get_state())  # the caller's generator advances as if it had drawn
+    return trim(state, steps, eos_ids, *prompt)
+
+
+def _static_step(model, engine, bucket, span, eos, pad_token_id, sampling):
+    """The decode step a graph captures: over `bucket` rows and `span` slots of the engine's buffers,
+    drawing from its generator, with the EOS ids in a tensor the graph keeps (it reads that address)."""
+    cache, state = engine.cache.view(rows=bucket, slots=span), engine.static(DecodeState).rows(bucket)
+    for t in (state.slot, state.col, state.positions, state.done):
+        t.zero_()  # the warm-up runs write at slot/column 0..1; prefill re-initialises all of it after
+    eos_ids = torch.tensor(eos, dtype=torch.long, device=cache.k.device)
+    return lambda: decode_step(model, cache, state, eos_ids, pad_token_id, sampling, engine.gen)
+
+
+def _default_generator(dev):
+    """The generator eager decoding draws from when given none."""
+    if dev.type == "cuda":
+        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 def prefill(model, cache, prompt_cache, state, input_ids, attention_mask, n, R, eos_ids, pad_token_id, sampling,

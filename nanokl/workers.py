@@ -68,12 +68,12 @@ from collections import defaultdict
 import torch
 
 from nanokl import dist
-from nanokl.batching import Batching, host_mask, micro_batch, send, split
+from nanokl.batching import Batching, agreed_micro_batches, host_mask, micro_batch, send
 from nanokl.fused import chunked_log_probs
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean, zero_masked
-from nanokl.ppo import POLICY_LOSSES, agg_loss, compute_value_loss, entropy_from_logits, logprobs_from_logits, \
-    ratio_out_band
+from nanokl.ppo import POLICY_LOSSES, agg_loss, compute_policy_loss, compute_value_loss, entropy_from_logits, \
+    logprobs_from_logits
 
 
 AUTOCAST = {"cuda": torch.bfloat16}  # device type -> compute dtype of every forward (none: fp32)
@@ -94,11 +94,6 @@ def rollout_batch(out) -> dict:
     every forward reads. The step adds old/ref log-probs, values, weights and advantages to it."""
     return {"sequences": out.sequences, "attention_mask": out.attention_mask, "position_ids": out.position_ids,
             "responses": out.responses, "response_mask": out.response_mask}
-
-
-def agreed_count(count):
-    """The micro-batch count every rank uses: the largest any rank needs."""
-    return dist.all_reduce(torch.tensor(count), op="max").item()
 
 
 def _inputs(mb, packed, inputs):
@@ -162,12 +157,11 @@ def rollout_log_probs_are_old(mode, same_numerics, do_sample, temperature) -> bo
 
 
 def forward_micro_batches(batch, spec):
-    """(micro-batch, its model inputs) of each non-empty micro-batch of a no-grad forward pass; the
-    mask is read from the device once, here, before the loop."""
+    """(micro-batch, its model inputs) of each non-empty micro-batch of a no-grad forward pass, as many
+    as every rank runs (nanokl/batching.py); the mask is read from the device once, here, before the loop."""
     host = host_mask(batch)
-    for rows in split(host, spec, agreed_count):
-        if rows:
-            yield micro_batch(batch, rows, spec, host)
+    for mb, inputs, _ in agreed_micro_batches(batch, None, spec, host, dist.agreed_count, skip_empty=True):
+        yield mb, inputs
 
 
 @torch.no_grad()
@@ -279,13 +273,10 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
         mask_all = batch["response_mask"][idx_d]
         norm, tokens = dist.all_reduce(torch.stack([loss_norm(mask_all, mode), mask_all.sum().float()]))  # one collective
         norm, tokens = norm.clamp(min=1), tokens.clamp(min=1)  # no real token (all rejected: rollout_rs): a loss of 0
-        groups = split(host[idx], spec, agreed_count)
         finite, sums, means = None, defaultdict(float), defaultdict(float)
-        for j, rows in enumerate(groups):
-            mb, inputs = micro_batch(batch, [idx[i] for i in rows] or idx[:1], spec, host)
-            if not rows:  # this rank has fewer sequences than the agreed micro-batch count: a masked-out row
-                mb["response_mask"] = torch.zeros_like(mb["response_mask"])  # still runs, so the collectives match
-            with dist.no_sync(model, skip=j < len(groups) - 1):
+        # as many micro-batches as every rank runs (nanokl/batching.py): the gradient is reduced after the last
+        for mb, inputs, last in agreed_micro_batches(batch, idx, spec, host, dist.agreed_count):
+            with dist.no_sync(model, skip=not last):
                 loss, s, m = micro_loss(mb, inputs, norm)
                 (loss * W).backward()
             finite = torch.isfinite(loss) if finite is None else finite & torch.isfinite(loss)
@@ -299,7 +290,7 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
 
 
 def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(), generator=None, horizon=None,
-                 kl_loss_coef: float, ref=None, record_entropy=False):
+                 kl_loss_coef: float, ref=None, record_entropy=False, watch=None):
     """PPO epochs over the batch with the clipped policy loss (+ KL loss, − entropy bonus).
 
     `a` is the config's actor_rollout_ref.actor (its policy_loss.loss_mode picks the loss from
@@ -311,8 +302,11 @@ def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(
     for kl_loss_type `full` (`exact_kl_loss`). Returns (lists of per-mini-batch metrics under verl's
     names, entropy): with `record_entropy` the [N, R] entropy of each response token from the first
     pass over its row (no extra forward: the trainer's actor/entropy when the old log-probs came from
-    the rollout), else None."""
-    mode, policy_loss = a.loss_agg_mode, POLICY_LOSSES[a.policy_loss.loss_mode]  # vanilla | gspo | cispo
+    the rollout), else None. `watch(mb, log_probs)`: more fractions to record of each micro-batch (the
+    KL monitor's ratio band, nanokl/harness/hacking.py), token-weighted as pg_clipfrac is."""
+    mode, loss_mode = a.loss_agg_mode, a.policy_loss.loss_mode
+    # PPO's clipped loss; GSPO and CISPO (nanokl/ppo.py) replace it with the same signature
+    policy_loss = compute_policy_loss if loss_mode == "vanilla" else POLICY_LOSSES[loss_mode]
     kl_loss = None
     if a.use_kl_loss:
         kl_loss = exact_kl_loss(ref, temperature, spec, mode, horizon) if a.kl_loss_type == "full" else \
@@ -341,7 +335,8 @@ def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(
             loss = loss + kl_loss_coef * kl
             sums.update(kl_sums)
         means = {f"actor/{k}": m[k] for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
-        means["actor/ratio_out_band"] = ratio_out_band(mb["old_log_probs"], logp.detach(), mask)  # the monitor's
+        if watch is not None:
+            means.update(watch(mb, logp.detach()))
         return loss, sums, means
 
     metrics = ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, a.shuffle, a.grad_clip, mode, micro_loss,

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from nanokl.harness.config import ConfigError
+from nanokl.harness.config_io import ConfigError
 
 
 def write(tmp_path, name, text):

@@ -16,9 +16,11 @@ Every outcome estimator, called through the table, gives finite results equal to
 when NaN and ±inf sit under the mask, and exact zeros there.
 """
 
+import functools
 import math
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -157,7 +159,7 @@ def test_estimator_table_calls_each_function_with_one_signature():
     through the table, GAE and GRPO give exactly what their direct calls give."""
     from types import SimpleNamespace
 
-    from nanokl.advantages import ESTIMATORS
+    from nanokl.advantages import ESTIMATORS, compute_advantage
     B, T = 6, 5
     mask = right_padded_mask([5, 2, 4, 5, 1, 3], T)
     rewards, values = torch.randn(B, T, dtype=torch.float64) * mask, torch.randn(B, T, dtype=torch.float64)
@@ -167,7 +169,7 @@ def test_estimator_table_calls_each_function_with_one_signature():
               "grpo": compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std=False)}
     for name, (want_adv, want_ret) in direct.items():
         est = ESTIMATORS[name]
-        adv, ret = est.fn(rewards, mask, values if est.needs_critic else None, index, alg, None)
+        adv, ret = compute_advantage(name, rewards, mask, values if est.needs_critic else None, index, alg, None)
         assert torch.equal(adv, want_adv) and torch.equal(ret, want_ret), name
     assert ESTIMATORS["gae"].needs_critic and not ESTIMATORS["gae"].grouped
     assert not ESTIMATORS["grpo"].needs_critic and ESTIMATORS["grpo"].grouped
@@ -186,7 +188,7 @@ def rloo_reference(scores, ids):
 def test_rloo_matches_leave_one_out_loop():
     from types import SimpleNamespace
 
-    from nanokl.advantages import ESTIMATORS, compute_rloo_outcome_advantage
+    from nanokl.advantages import ESTIMATORS, compute_advantage, compute_rloo_outcome_advantage
     B, T = 9, 6
     rewards = torch.zeros(B, T, dtype=torch.float64)
     mask = right_padded_mask([6, 2, 4, 5, 1, 3, 6, 6, 2], T)
@@ -204,7 +206,7 @@ def test_rloo_matches_leave_one_out_loop():
     # through the table, with the one signature train_ppo uses; no critic, grouped by prompt
     est = ESTIMATORS["rloo"]
     assert not est.needs_critic and est.grouped
-    adv2, _ = est.fn(rewards, mask, None, ids, SimpleNamespace(), None)
+    adv2, _ = compute_advantage("rloo", rewards, mask, None, ids, SimpleNamespace(), None)
     assert torch.equal(adv, adv2)
     # k/(k-1) times GRPO's un-normalised advantage, for the groups of size > 1
     grpo, _ = compute_grpo_outcome_advantage(rewards, mask, ids, norm_adv_by_std=False)
@@ -307,10 +309,10 @@ def test_reinforce_plus_plus_whitens_over_all_ranks(name):
     """Two simulated ranks (whole groups on each) with summed moments give the whole batch's result."""
     from types import SimpleNamespace
 
-    from nanokl.advantages import ESTIMATORS
+    from nanokl.advantages import ESTIMATORS, compute_advantage
     rewards, mask = outcome_inputs(holes=True)
     ids = ["a", "a", "b", "b", "c", "c", "c", "d", "d"]
-    alg, fn = SimpleNamespace(gamma=0.95), ESTIMATORS[name].fn
+    alg, fn = SimpleNamespace(gamma=0.95), functools.partial(compute_advantage, name)
     whole = fn(rewards, mask, None, ids, alg, None)
     shards, recorded = [slice(0, 4), slice(4, 9)], []
     for s in shards:
@@ -324,7 +326,7 @@ def test_reinforce_plus_plus_whitens_over_all_ranks(name):
 def test_remax_matches_returns_minus_greedy_baseline_loop():
     from types import SimpleNamespace
 
-    from nanokl.advantages import ESTIMATORS, compute_remax_outcome_advantage
+    from nanokl.advantages import ESTIMATORS, compute_advantage, compute_remax_outcome_advantage
     rewards, mask = outcome_inputs(holes=True)
     baselines = torch.randn(len(rewards), dtype=torch.float64)
     adv, ret = compute_remax_outcome_advantage(rewards, mask, baselines)
@@ -336,10 +338,10 @@ def test_remax_matches_returns_minus_greedy_baseline_loop():
     # through the table: the step passes the greedy scores as `baselines`; without them it refuses
     est = ESTIMATORS["remax"]
     assert est.needs_greedy_baseline and not est.needs_critic and not est.grouped
-    got = est.fn(rewards, mask, None, IDS, SimpleNamespace(gamma=0.5), None, baselines=baselines.tolist())
+    got = compute_advantage("remax", rewards, mask, None, IDS, SimpleNamespace(gamma=0.5), None, baselines=baselines.tolist())
     assert torch.equal(got[0], adv) and torch.equal(got[1], ret)
     with pytest.raises(ValueError, match="greedy"):
-        est.fn(rewards, mask, None, IDS, SimpleNamespace(), None)
+        compute_advantage("remax", rewards, mask, None, IDS, SimpleNamespace(), None)
     with pytest.raises(ValueError, match="one baseline per response"):
         compute_remax_outcome_advantage(rewards, mask, baselines[:-1])
 
@@ -362,7 +364,7 @@ def passk_loop(scores, ids, norm, eps):
 def test_grpo_passk_matches_verl_loop(norm):
     from types import SimpleNamespace
 
-    from nanokl.advantages import ESTIMATORS, compute_grpo_passk_outcome_advantage
+    from nanokl.advantages import ESTIMATORS, compute_advantage, compute_grpo_passk_outcome_advantage
     rewards, mask = outcome_inputs(holes=True)
     adv, ret = compute_grpo_passk_outcome_advantage(rewards, mask, IDS, norm_adv_by_std=norm, eps=1e-6)
     want = passk_loop([math.fsum(r) for r in rewards.tolist()], IDS, norm, 1e-6)
@@ -370,7 +372,7 @@ def test_grpo_passk_matches_verl_loop(norm):
     assert torch.equal(adv, ret) and (adv.abs().sum(-1) > 0).sum() == 3  # one response per group moves
     est = ESTIMATORS["grpo_passk"]
     assert est.grouped and not est.needs_critic
-    assert torch.equal(est.fn(rewards, mask, None, IDS, SimpleNamespace(norm_adv_by_std_in_grpo=norm), None)[0], adv)
+    assert torch.equal(compute_advantage("grpo_passk", rewards, mask, None, IDS, SimpleNamespace(norm_adv_by_std_in_grpo=norm), None)[0], adv)
 
 
 def test_grpo_passk_tied_best_and_lone_response():
@@ -389,7 +391,7 @@ def test_outcome_estimators_ignore_nan_and_inf_under_the_mask(name):
     """NaN, +inf and −inf under the mask: finite results, equal to those of a clean batch, and 0 there."""
     from types import SimpleNamespace
 
-    from nanokl.advantages import ESTIMATORS
+    from nanokl.advantages import ESTIMATORS, compute_advantage
     rewards, mask = outcome_inputs(holes=True)
     poison = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64)
     masked = (mask == 0).nonzero()
@@ -397,7 +399,7 @@ def test_outcome_estimators_ignore_nan_and_inf_under_the_mask(name):
     dirty[masked[:, 0], masked[:, 1]] = poison[torch.arange(len(masked)) % 3]
     alg = SimpleNamespace(gamma=0.9, norm_adv_by_std_in_grpo=True)
     baselines = torch.randn(len(rewards), dtype=torch.float64)
-    fn = ESTIMATORS[name].fn
+    fn = functools.partial(compute_advantage, name)
     clean = fn(rewards, mask, None, IDS, alg, None, baselines=baselines)
     got = fn(dirty, mask, None, IDS, alg, None, baselines=baselines)
     for c, g in zip(clean, got):
@@ -407,7 +409,7 @@ def test_outcome_estimators_ignore_nan_and_inf_under_the_mask(name):
 
 
 def test_estimator_table_lists_verl_names():
-    from nanokl.advantages import ESTIMATORS
+    from nanokl.advantages import ESTIMATORS, compute_advantage
     assert list(ESTIMATORS) == ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                                 "remax", "grpo_passk"]
     assert [n for n, e in ESTIMATORS.items() if e.needs_greedy_baseline] == ["remax"]
@@ -422,12 +424,12 @@ def test_a_batch_rejection_emptied_has_zero_advantages(name):
     signal) instead of raising; one kept token is no better (its variance is undefined)."""
     from types import SimpleNamespace
 
-    from nanokl.advantages import ESTIMATORS
+    from nanokl.advantages import ESTIMATORS, compute_advantage
     rewards = torch.tensor([[0.0, 1.0, 0.5], [0.2, 0.0, 1.0]])
     values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
     cfg = SimpleNamespace(gamma=1.0, lam=0.95, norm_adv_by_std_in_grpo=True)
     for kept in (torch.zeros(2, 3), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])):
-        adv, ret = ESTIMATORS[name].fn(rewards, kept, values, torch.arange(2), cfg, None)
+        adv, ret = compute_advantage(name, rewards, kept, values, torch.arange(2), cfg, None)
         assert torch.equal(adv, torch.zeros_like(adv)) and torch.isfinite(ret).all()
-    adv, _ = ESTIMATORS[name].fn(rewards, torch.ones(2, 3), values, torch.arange(2), cfg, None)
+    adv, _ = compute_advantage(name, rewards, torch.ones(2, 3), values, torch.arange(2), cfg, None)
     assert adv.abs().sum() > 0  # with tokens to whiten over, the same call gives a signal: the test can fail

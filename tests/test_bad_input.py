@@ -25,8 +25,9 @@ import torch
 
 import generate
 import train_ppo
-from nanokl.harness.config import Config, load_config, parse_cli
+from nanokl.harness.config import Config
 from nanokl.harness.config_io import ConfigError, run_cli
+from nanokl.harness.config_load import load_config, parse_cli
 from nanokl.harness.tokenizer import train_tokenizer
 from nanokl.tasks import arith, gsm8k
 from test_reward_fn import rollout

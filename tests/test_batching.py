@@ -13,7 +13,8 @@ import torch
 
 from nanokl import workers as W
 from nanokl import model as M
-from nanokl.batching import Batching, balanced_partition, micro_batch, split, token_budget_micro_batches
+from nanokl.batching import Batching, agreed_micro_batches, balanced_partition, micro_batch, split, \
+    token_budget_micro_batches
 from nanokl.rollout import generate
 
 
@@ -93,3 +94,20 @@ def test_split_modes():
     assert split(mask, Batching()) == [list(range(10))]
     bins = split(mask, Batching(token_budget=36), agree=lambda k: k + 1)  # another rank needs one more
     assert len(bins) == 5 and all(len(b) * 12 <= 36 for b in bins)
+
+
+def test_agreed_micro_batches_fill_a_short_rank_with_masked_out_rows():
+    """Another rank needs more micro-batches than this one has sequences: each extra one is a masked-out
+    row (the first of the rows, no response token counted), the last is flagged; a no-grad pass skips them."""
+    batch = {"responses": torch.zeros(6, 3, dtype=torch.long), "response_mask": torch.ones(6, 3, dtype=torch.long),
+             "attention_mask": torch.ones(6, 8, dtype=torch.long), "sequences": torch.arange(48).view(6, 8),
+             "position_ids": torch.arange(8).repeat(6, 1)}
+    host, rows, spec = batch["attention_mask"], [4, 1], Batching(token_budget=8)
+    got = list(agreed_micro_batches(batch, rows, spec, host, agree=lambda k: 4))
+    assert [inputs.rows.tolist() for _, inputs, _ in got] == [[4], [1], [4], [4]]
+    assert [int(mb["response_mask"].sum()) for mb, _, _ in got] == [3, 3, 0, 0]
+    assert [last for _, _, last in got] == [False, False, False, True]
+    kept = list(agreed_micro_batches(batch, rows, spec, host, agree=lambda k: 4, skip_empty=True))
+    assert [inputs.rows.tolist() for _, inputs, _ in kept] == [[4], [1]]
+    assert [inputs.rows.tolist() for _, inputs, _ in agreed_micro_batches(batch, None, Batching(micro_size=4), host)] \
+        == [[0, 1, 2, 3], [4, 5]]

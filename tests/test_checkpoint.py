@@ -64,7 +64,7 @@ def test_auto_resume_skips_a_damaged_checkpoint_and_names_the_file(tmp_path, cap
     else:
         (new / MANIFEST).write_text("{not json")
         target = new / MANIFEST
-    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "global_step_2"
+    assert latest_checkpoint(tmp_path) == tmp_path / "global_step_2"
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("checkpoint global_step_4 skipped: ") and str(target) in err[0]
     assert verify_checkpoint(new) is not None
@@ -90,12 +90,11 @@ def test_retention_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     import nanokl.harness.checkpoint as ck
     save(tmp_path, 2, keep=1)
     save(tmp_path, 4, keep=1)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("global_step_*")) == ["global_step_4"]
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_4"]
     monkeypatch.setattr(ck, "write_manifest", lambda path: None)  # step 6 is written without one: it cannot verify
     save(tmp_path, 6, keep=1)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("global_step_*")) == ["global_step_4",
-                                                                                       "global_step_6"]
-    assert latest_checkpoint(tmp_path, warn=False) == tmp_path / "checkpoints" / "global_step_4"
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_4", "global_step_6"]
+    assert latest_checkpoint(tmp_path, warn=False) == tmp_path / "global_step_4"
 
 
 def test_explicit_resume_of_a_bad_checkpoint_exits_2_with_one_line(tmp_path):

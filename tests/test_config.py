@@ -17,8 +17,11 @@ import yaml
 from config_helpers import error_of, write
 from nanokl.kl import KL_KINDS
 from nanokl.ppo import LOSS_AGG_MODES
-from nanokl.harness.config import (DEFAULT_CONFIG, Config, config_to_dict, load_config, parse_cli,
-                           resolve, run_cli, save_config)
+from nanokl.harness.config import Config
+from nanokl.harness.config_build import config_to_dict
+from nanokl.harness.config_io import run_cli
+from nanokl.harness.config_load import DEFAULT_CONFIG, load_config, parse_cli, save_config
+from nanokl.harness.config_rules import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"
@@ -139,13 +142,15 @@ def test_arith_tiny_loads_what_the_file_says():
     assert isinstance(a.optim.lr, float)
 
 
-@pytest.mark.parametrize("path, kl_ctrl, band, name, actions", [
-    (CONSERVATIVE, ("adaptive", 0.002, 5000, 0.03), (0.01, 0.05), "arith_tiny_conservative",
-     ("adjust", "adjust", "adjust", "adjust", "rollback", "reference")),
+@pytest.mark.parametrize("path, kl_ctrl, band, name, actions, step", [
+    # conservative: arith_tiny's step and controller, horizon 640 and a tighter target (issue 41: measured in the preset)
+    (CONSERVATIVE, ("adaptive", 0.05, 640, 0.03), (0.01, 0.05), "arith_tiny_conservative",
+     ("adjust", "adjust", "adjust", "adjust", "rollback", "reference"), []),
     (AGGRESSIVE, ("adaptive", 0.0005, 20000, 0.1), (0.05, 0.15), "arith_tiny_aggressive",
-     ("warn", "warn", "adjust", "adjust", "rollback", "fixed_kl")),
+     ("warn", "warn", "adjust", "adjust", "rollback", "fixed_kl"),
+     ["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=32", "algorithm.adv_estimator=gae"]),
 ])
-def test_presets_sit_over_arith_tiny(path, kl_ctrl, band, name, actions):
+def test_presets_sit_over_arith_tiny(path, kl_ctrl, band, name, actions, step):
     cfg = load_config(path)
     k = cfg.algorithm.kl_ctrl
     assert (k.type, k.kl_coef, k.horizon, k.target_kl) == kl_ctrl
@@ -155,9 +160,10 @@ def test_presets_sit_over_arith_tiny(path, kl_ctrl, band, name, actions):
             m.rollback_recipe) == actions
     assert cfg.trainer.experiment_name == name
     # Everything the preset does not mention is arith_tiny's, siblings of merged sections included; the
-    # presets pin the step they were measured with (GAE + critic at 64 prompts a step).
-    assert cfg.algorithm.adv_estimator == "gae"
-    tiny = load_config(TINY, ["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
+    # aggressive preset pins the step it was measured with (GAE + critic at 64 prompts a step).
+    tiny = load_config(TINY, step)
+    assert cfg.algorithm.adv_estimator == tiny.algorithm.adv_estimator
+    assert cfg.algorithm.kl_ctrl.hold == tiny.algorithm.kl_ctrl.hold == 100
     assert m.entropy_min == tiny.trainer.kl_monitor.entropy_min == 0.025
     assert m.reward_var_action == tiny.trainer.kl_monitor.reward_var_action == "warn"
     assert cfg.trainer.logger == ["console", "jsonl"]
@@ -174,7 +180,7 @@ def test_three_level_defaults_chain_deep_merges_dicts_and_replaces_lists(tmp_pat
           seed: 1
         actor_rollout_ref:
           model:
-            override_config: {x: 1, y: 2}
+            override_config: {rope_theta: 1, max_position_embeddings: 2}
         """)
     write(tmp_path, "base/b.yaml", """
         defaults: [a.yaml]
@@ -190,14 +196,14 @@ def test_three_level_defaults_chain_deep_merges_dicts_and_replaces_lists(tmp_pat
             horizon: 300
         actor_rollout_ref:
           model:
-            override_config: {y: 3}
+            override_config: {max_position_embeddings: 3}
         """)
     cfg = load_config(c)
     k = cfg.algorithm.kl_ctrl
     assert (k.type, k.kl_coef, k.horizon, k.target_kl) == ("adaptive", 0.2, 300, 0.1)  # a, b, c, default
     assert cfg.trainer.logger == ["wandb"]  # lists replace
     assert cfg.trainer.seed == 1 and cfg.data.seed == 1
-    assert cfg.actor_rollout_ref.model.override_config == {"x": 1, "y": 3}  # dicts merge
+    assert cfg.actor_rollout_ref.model.override_config == {"rope_theta": 1, "max_position_embeddings": 3}  # merged
 
 
 def test_later_defaults_then_the_file_itself_win(tmp_path):
@@ -214,7 +220,7 @@ def test_overrides_apply_after_files_with_yaml_values():
         "trainer.max_actor_ckpt_to_keep=null", "trainer.experiment_name=run 7",
         "actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_high=0.28",
         "trainer.seed=5", "trainer.seed=6"])
-    assert cfg.algorithm.kl_ctrl.target_kl == 0.02 and cfg.algorithm.kl_ctrl.horizon == 5000
+    assert cfg.algorithm.kl_ctrl.target_kl == 0.02 and cfg.algorithm.kl_ctrl.horizon == 640
     assert cfg.trainer.logger == ["console", "wandb"]
     assert cfg.data.shuffle is False and cfg.trainer.max_actor_ckpt_to_keep is None
     assert cfg.trainer.experiment_name == "run 7"
@@ -292,10 +298,10 @@ def run_python(code):
 
 
 @pytest.mark.parametrize("code, expected", [
-    ("from nanokl.harness.config import run_cli, parse_cli\n"
+    ("from nanokl.harness.config_io import run_cli\nfrom nanokl.harness.config_load import parse_cli\n"
      "run_cli(parse_cli, ['algorithm.kl_ctrl.target_kl=-1'])",
      "error: argument 'algorithm.kl_ctrl.target_kl=-1': algorithm.kl_ctrl.target_kl must be > 0, got -1.0"),
-    ("from nanokl.harness.config import run_cli, UserError\n"
+    ("from nanokl.harness.config_io import run_cli, UserError\n"
      "def main():\n    raise UserError('model dir runs/x not found:\\n run sft first')\n"
      "run_cli(main)",
      "error: model dir runs/x not found: run sft first"),

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from config_helpers import error_of, write
-from nanokl.harness.config import Config, ConfigError, UserError, load_config, resolve, validate
+from nanokl.harness.config import Config
+from nanokl.harness.config_io import ConfigError, UserError
+from nanokl.harness.config_load import load_config
+from nanokl.harness.config_rules import resolve, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"

@@ -3,7 +3,7 @@ nanokl's knob, prints one note (what nanokl does instead), or is refused in one 
 
 How the tests prove it. verl's PPO quickstart and GRPO example commands (the argument lists of
 docs/start/quickstart.rst and examples/grpo_trainer/run_qwen2-7b.sh, copied below) go through
-`parse_cli` and the world-size checks of setup; each key of config_rules.VERL_NOTES is set to a
+`parse_cli` and the world-size checks of setup; each key of config_notes.VERL_NOTES is set to a
 value other than its default and must print exactly its own note; each refusal is checked against
 a config that asks for it; the base a command starts from is checked both ways.
 """
@@ -14,8 +14,11 @@ import typing
 import pytest
 from config_helpers import error_of
 
-from nanokl.harness.config import DEFAULT_CONFIG, Config, ConfigError, load_config, parse_cli
-from nanokl.harness.config_rules import VERL_NOTES, _get, startup_notes
+from nanokl.harness.config import Config
+from nanokl.harness.config_io import ConfigError
+from nanokl.harness.config_load import DEFAULT_CONFIG, load_config, parse_cli
+from nanokl.harness.config_io import get_key
+from nanokl.harness.config_notes import VERL_NOTES, monitor_note, startup_notes
 from nanokl.harness.run import _check_world, _max_samples
 
 MODEL, DATA = "/models/Qwen2.5-0.5B-Instruct", "/data/gsm8k"
@@ -64,7 +67,8 @@ def test_verl_quickstart_command_loads_on_verls_defaults(capsys):
     assert cfg.trainer.default_local_dir == Config().trainer.default_local_dir != demo.trainer.default_local_dir
     _check_world(cfg, 1, needs_critic=True)  # one GPU, as the command says
     notes = startup_notes(cfg)
-    assert notes == [f"note: actor_rollout_ref.rollout.name='vllm': {VERL_NOTES['actor_rollout_ref.rollout.name']}"]
+    assert notes == [f"note: actor_rollout_ref.rollout.name='vllm': {VERL_NOTES['actor_rollout_ref.rollout.name']}",
+                     monitor_note(cfg.trainer.kl_monitor)]  # the KL checklist, on by default (warn only)
 
 
 def test_verl_grpo_example_loads_and_fits_eight_gpus():
@@ -73,7 +77,9 @@ def test_verl_grpo_example_loads_and_fits_eight_gpus():
     assert a.actor.fsdp_config.optimizer_offload is False and a.ref.fsdp_config.param_offload is True
     assert cfg.trainer.logger == ["console", "wandb"] and a.rollout.n == 5
     _check_world(cfg, 8, needs_critic=False)
-    keys = [line.split("=")[0].removeprefix("note: ") for line in startup_notes(cfg)]
+    notes = startup_notes(cfg)
+    assert notes[-1] == monitor_note(cfg.trainer.kl_monitor)  # the KL checklist, on by default (warn only)
+    keys = [line.split("=")[0].removeprefix("note: ") for line in notes[:-1]]
     assert keys == ["actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.tensor_model_parallel_size"]
     with pytest.raises(ConfigError, match=r"trainer.n_gpus_per_node x trainer.nnodes = 8 x 1 = 8, but the run "
                                           r"has 4 process\(es\)"):
@@ -96,9 +102,9 @@ def test_data_files_without_a_model_ask_for_one():
 
 def _other_value(cfg, key):
     """A value for `key` other than its default, of the type its field takes."""
-    value = _get(cfg, key)
+    value = get_key(cfg, key)
     *path, name = key.split(".")
-    owner = _get(cfg, ".".join(path)) if path else cfg
+    owner = get_key(cfg, ".".join(path)) if path else cfg
     tp = typing.get_type_hints(type(owner))[name]
     if isinstance(value, bool):
         return not value
@@ -120,7 +126,7 @@ def test_each_noted_key_loads_and_prints_its_own_note_once(key):
     except ConfigError as e:  # a key whose other values nanokl refuses (e.g. a dict with enable): said in one line
         assert key in str(e) and "\n" not in str(e)
         return
-    assert startup_notes(cfg) == [f"note: {key}={_get(cfg, key)!r}: {VERL_NOTES[key]}"]
+    assert startup_notes(cfg) == [f"note: {key}={get_key(cfg, key)!r}: {VERL_NOTES[key]}"]
 
 
 def test_every_verl_only_field_has_a_note_or_a_rule():
@@ -148,10 +154,9 @@ def test_every_verl_only_field_has_a_note_or_a_rule():
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn="),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
      "actor_rollout_ref.actor.policy_loss.loss_mode must be one of vanilla, gspo, cispo"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",  # GSPO's aggregation is fixed, as in verl
-     "policy_loss.loss_mode=gspo aggregates seq-mean-token-mean (as verl does); set "
-     "actor_rollout_ref.actor.loss_agg_mode to it, got 'token-mean'"),
-    ("reward_model.reward_manager=dapo", "reward_model.reward_manager must be one of naive, prime"),
+    ("reward_model.reward_manager=batch", "reward_model.reward_manager must be one of naive, prime, dapo; got "
+     "'batch' (batch calls custom_reward_function once per batch"),
+    ("reward_model.reward_manager=gdpo", "reward_model.reward_manager must be one of naive, prime, dapo"),
     ("algorithm.use_pf_ppo=true", "algorithm.use_pf_ppo=True is not supported"),
     ("actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.optimizer must be one of AdamW"),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=0",

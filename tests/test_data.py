@@ -9,9 +9,10 @@ import pytest
 
 from nanokl.harness.config_io import UserError
 from nanokl.harness.data import (_permutation, batch_indices, build_prompts, drop_overlong, filter_overlong,
-                                 read_examples, steps_per_epoch, verl_row_to_example, write_rows)
+                                 read_examples, steps_per_epoch, verl_row_to_example)
 from nanokl.harness.tokenizer import train_tokenizer
 from nanokl.tasks.arith import ArithDifficulty, make_arith_task
+from verl_data import write_rows
 
 
 def load_examples(paths, prompt_key="prompt", reward_fn_key="data_source"):

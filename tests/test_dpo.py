@@ -20,7 +20,13 @@ import math
 import pytest
 import torch
 
-from nanokl.dpo import DPO_LOSSES, dpo_loss, sequence_log_probs, split_pairs
+from nanokl.dpo import DPO_LOSSES, dpo_loss, sequence_log_probs
+
+
+def split_pairs(x):
+    """The tests' helper: rows alternate (chosen, rejected) of one prompt, as update_policy reads them
+    (rows 2k, 2k+1): [2P, ...] -> ([P, ...], [P, ...])."""
+    return x[0::2], x[1::2]
 
 
 def stable_neg_log_sigmoid(z):
@@ -99,7 +105,7 @@ def test_bad_arguments():
         dpo_loss(x, x, x, x, beta=0.0)
 
 
-def test_sequence_log_probs_and_split_pairs():
+def test_sequence_log_probs():
     g = torch.Generator().manual_seed(1)
     lp = -torch.rand(6, 5, generator=g)
     mask = torch.rand(6, 5, generator=g) > 0.4
@@ -109,8 +115,6 @@ def test_sequence_log_probs_and_split_pairs():
     for i in range(6):
         want = sum(float(lp[i, j]) for j in range(5) if mask[i, j])
         assert float(got[i]) == pytest.approx(want, abs=1e-6)
-    chosen, rejected = split_pairs(got)
-    assert torch.equal(chosen, got[[0, 2, 4]]) and torch.equal(rejected, got[[1, 3, 5]])
 
 
 def test_expected_dpo_loss_recovers_the_kl_regularized_optimum():
@@ -205,10 +209,10 @@ def test_update_gradient_equals_float64_per_pair_formula(loss_type, fp32_logits,
         return sum(token_log_probs(model, b))
 
     want_loss, want_grad = 0.0, [torch.zeros_like(p) for p in params]
-    for k in range(3):
+    for chosen, rejected in zip(*split_pairs(range(6))):  # pair k: rows (2k, 2k+1)
         with torch.no_grad():
-            r_w, r_l = (float(seq_log_prob(ref, b)) for b in (2 * k, 2 * k + 1))
-        lp_w, lp_l = seq_log_prob(pol, 2 * k), seq_log_prob(pol, 2 * k + 1)
+            r_w, r_l = (float(seq_log_prob(ref, b)) for b in (chosen, rejected))
+        lp_w, lp_l = seq_log_prob(pol, chosen), seq_log_prob(pol, rejected)
         h = (lp_w.item() - r_w) - (lp_l.item() - r_l)
         if loss_type == "sigmoid":
             want_loss += stable_neg_log_sigmoid(beta * h) / 3

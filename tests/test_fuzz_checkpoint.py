@@ -27,8 +27,8 @@ from nanokl.model import CausalLM, ModelConfig, ValueModel, init_weights  # noqa
 # 3. Checkpoint directories: truncations, bit flips, deletions; with and without a manifest
 # ---------------------------------------------------------------------------------------------
 
-STEP = "checkpoints/global_step_2"
-TARGETS = ["checkpoints/latest_checkpointed_iteration.txt", f"{STEP}/{MANIFEST}", f"{STEP}/optim.pt",
+STEP = "global_step_2"  # verl's layout: <run>/global_step_N/ and <run>/latest_checkpointed_iteration.txt
+TARGETS = ["latest_checkpointed_iteration.txt", f"{STEP}/{MANIFEST}", f"{STEP}/optim.pt",
            f"{STEP}/trainer_state.pt", f"{STEP}/actor/config.json", f"{STEP}/actor/model.safetensors",
            f"{STEP}/actor/tokenizer.json", f"{STEP}/actor/tokenizer_config.json", f"{STEP}/critic/config.json",
            f"{STEP}/critic/model.safetensors"]

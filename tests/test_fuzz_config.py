@@ -15,8 +15,10 @@ from fuzzing import ROOT, damaged, fuzz, ints, outcome, pick
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from nanokl.harness.config import Config, load_config  # noqa: E402
-from nanokl.harness.config_io import UserError, all_keys  # noqa: E402
+from nanokl.harness.config import Config  # noqa: E402
+from nanokl.harness.config_build import all_keys  # noqa: E402
+from nanokl.harness.config_io import UserError  # noqa: E402
+from nanokl.harness.config_load import load_config  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # 1. The config loader: YAML files, `defaults:` chains, `key=value` overrides
@@ -192,6 +194,10 @@ OVERRIDES = st.one_of(  # half of them a (near) key with a value made for it
                      "--config=x.yaml", "data.task=gsm8k", "algorithm.adv_estimator=grpo",
                      "actor_rollout_ref.actor.loss_mode=dpo", "trainer.resume_mode=resume_path",
                      "data.num_val=" + "9" * 5000, "data.seed=2024-13-45", "data.num_val=!!int x",
+                     "++data.num_val=1", "+data.task=arith", "~data.num_val=256", "~data", "~data.nope", "~",
+                     "trainer.project_name=${trainer.nope}", "trainer.project_name=${trainer.experiment_name}",
+                     "trainer.experiment_name=${trainer.project_name}", "data.num_val=${data.num_train}",
+                     "data.task=${oc.env:HOME}", "data.task=${.}", "data.task=${", "data.train_files=[~/a.jsonl]",
                      "data.num_val=" + "[" * 800, "a" * 300 + "=1", "data.task"]),
 )
 
@@ -214,6 +220,8 @@ def yaml_case(text: bytes, *overrides):
 @yaml_case(b"", "data.seed=2024-13-45")
 @yaml_case(b"", "actor_rollout_ref.model.override_config=&r {a: *r}")
 @yaml_case(b"", "data.num_val=" + "[" * 800)
+@yaml_case(b"", "data.train_files=&r [*r, '${trainer.seed}']")  # a list inside itself, through the interpolation
+@yaml_case(b"actor_rollout_ref:\n  model:\n    lora_adapter_pat[h: 1\n")  # a "[" in a key: still located
 @given(files=config_files(), overrides=st.lists(OVERRIDES, max_size=4),
        path=st.sampled_from(["main.yaml"] * 8 + ["missing.yaml", "sub", None]))
 def test_config_loader(files, overrides, path):

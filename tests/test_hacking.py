@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
-from nanokl.harness.config import KLMonitorConfig, load_config
+from nanokl.harness.config_load import load_config
+from nanokl.harness.config_nanokl import KLMonitorConfig
+from nanokl.harness.hacking import ratio_out_band
 from nanokl.harness.metrics import repetition
 from nanokl.harness.monitor import GRAVITY, KLMonitor, warmup_steps
-from nanokl.ppo import ratio_out_band
 
 KL, EV, SCORE, RULE, LEN = ("actor/reward_kl_penalty", "critic/vf_explained_var", "critic/score/mean",
                             "critic/rule_score/mean", "response_length/mean")
@@ -43,9 +44,9 @@ def test_the_defaults_are_the_articles_numbers():
     assert (c.kl_high_adjust.knob, c.kl_high_adjust.factor, c.kl_low_adjust.knob) == ("kl_coef", 1.5, "target_kl")
     assert (c.escalation, c.kl_high_escalate.knob, c.kl_high_escalate.factor, c.kl_high_escalate.limit,
             c.kl_high_escalate.cooldown) == ("reference", "actor_lr", 0.5, 1e-6, 5)
-    for preset in ("aggressive", "conservative"):
+    for preset, acts in (("aggressive", (0.15, 0.01)), ("conservative", (0.1, 0.005))):  # conservative: measured
         m = load_config(f"configs/presets/{preset}.yaml").trainer.kl_monitor
-        assert (m.kl_high_act, m.kl_low_act) == (0.15, 0.01)
+        assert (m.kl_high_act, m.kl_low_act) == acts
 
 
 def test_kl_high_warns_between_the_edge_and_0_15_and_adjusts_beyond():
@@ -129,7 +130,7 @@ def test_warmup_is_the_steps_beta_needs_to_double():
 
 
 def test_the_low_side_and_the_critic_wait_the_high_side_and_kl_stop_do_not():
-    mon = KLMonitor(cfg(kl_stop_patience=2), warmup=3)
+    mon = KLMonitor(cfg(kl_stop_patience=2, kl_stop_action="stop"), warmup=3)
     stream = [{KL: 0.001, EV: -0.5}, {KL: 0.5, EV: -0.5}, {KL: 0.5, EV: -0.5}, {KL: 0.001, EV: -0.5}]
     got = events(mon, stream)
     assert got == {2: [("kl_band", "warn", None, False)],

@@ -6,7 +6,9 @@ computed in the test, with the error visibly clipped at ±0.2; in a toy closed l
 measured KL is c/β, β converges until the KL is within 5% of target; a state_dict loaded into a
 fresh controller produces the same future trajectory; bad configs raise ValueError. `hold` is checked
 on a scripted stream with the step of each move (held while below target, Ziegler's rule from the first
-KL at target or once `hold` updates are spent; hold 0 is Ziegler's bit for bit).
+KL at target or once `hold` updates are spent; hold 0 is Ziegler's bit for bit). The adaptive update
+equals verl's three lines (np.clip, mult, value *= mult) written out in float64, bit for bit, over a
+random KL stream.
 """
 
 import json
@@ -162,14 +164,14 @@ ARTICLE = ["algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_lo
 
 
 def _loss_run(*overrides):
-    from nanokl.harness.config import load_config
+    from nanokl.harness.config_load import load_config
     from nanokl.kl_ctrl import make_kl_loss_controller
     cfg = load_config(None, list(overrides))
     return SimpleNamespace(cfg=cfg, kl_loss_ctrl=make_kl_loss_controller(cfg.actor_rollout_ref.actor))
 
 
 def test_fixed_kl_loss_coefficient_is_verls():
-    from nanokl.harness.run import steer_kl_loss
+    from train_ppo import steer_kl_loss
     run = _loss_run("actor_rollout_ref.actor.kl_loss_coef=0.02")
     metrics = {"actor/kl_loss": 5.0}
     steer_kl_loss(run, metrics)
@@ -177,10 +179,10 @@ def test_fixed_kl_loss_coefficient_is_verls():
 
 
 def test_adaptive_kl_loss_coefficient_follows_the_update_rule_on_a_scripted_kl_stream():
-    """end_step's steer_kl_loss on a scripted actor/kl_loss stream equals the float64 rule written out
+    """ppo_step's steer_kl_loss on a scripted actor/kl_loss stream equals the float64 rule written out
     here: coef *= 1 + clip(kl / target - 1, +-0.2) * (train_batch_size * n) / horizon; a step without
     the metric (critic warm-up) or with a non-finite one (a skipped update) leaves it alone."""
-    from nanokl.harness.run import steer_kl_loss
+    from train_ppo import steer_kl_loss
     run = _loss_run("actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive",
                     "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.05",
                     "actor_rollout_ref.actor.kl_loss_ctrl.horizon=20000", "data.train_batch_size=64",
@@ -201,7 +203,7 @@ def test_adaptive_kl_loss_coefficient_follows_the_update_rule_on_a_scripted_kl_s
 def test_adaptive_kl_loss_coefficient_closes_the_loop_on_its_target():
     """Toy plant: the KL loss the policy ends up paying is c / coef (a heavier loss, a closer policy).
     From 30x off either way, the coefficient settles where the KL loss is within 5% of target_kl."""
-    from nanokl.harness.run import steer_kl_loss
+    from train_ppo import steer_kl_loss
     c, target = 0.002, 0.05
     for coef0 in (0.04 / 30, 0.04 * 30):
         run = _loss_run(f"actor_rollout_ref.actor.kl_loss_coef={coef0}", "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive",
@@ -214,8 +216,8 @@ def test_adaptive_kl_loss_coefficient_closes_the_loop_on_its_target():
 
 
 def test_a_controller_with_nothing_to_steer_warns_once(capsys):
-    from nanokl.harness.config import load_config
-    from nanokl.harness.config_rules import startup_notes
+    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config_notes import startup_notes
     lines = startup_notes(load_config(None, ARTICLE))
     assert len(lines) == 1 and lines[0].startswith("warning: algorithm.kl_ctrl.type=adaptive steers beta")
     assert "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive" in lines[0]
@@ -259,7 +261,7 @@ def test_a_run_steers_the_kl_loss_coefficient_and_warns_once(sft_dir, tmp_path, 
 
 
 def load_n(root):
-    from nanokl.harness.config import load_config
+    from nanokl.harness.config_load import load_config
     return load_config(root / "configs" / "arith_tiny.yaml").actor_rollout_ref.rollout.n
 
 
@@ -312,8 +314,8 @@ def test_hold_state_round_trips_through_a_checkpoint():
 
 
 def test_a_negative_hold_fails_config_validation_naming_the_key():
-    from nanokl.harness.config import load_config
     from nanokl.harness.config_io import ConfigError
+    from nanokl.harness.config_load import load_config
     with pytest.raises(ConfigError, match=r"algorithm\.kl_ctrl\.hold"):
         load_config(None, ["algorithm.kl_ctrl.hold=-1"])
 
@@ -346,3 +348,22 @@ def test_a_default_run_holds_beta_and_says_so(sft_dir, tmp_path, hold):
         assert betas[:2] == [0.05, 0.05] and betas[2] == pytest.approx(0.05 * (1 + e2 * 8 / 320), rel=1e-12)
         assert [r["actor/kl_ctrl_holding"] for r in rows] == [1.0, 0.0, 0.0]
         assert [r["monitor/kl_band_fired"] for r in rows] == [0.0, 1.0, 1.0]  # KL < kl_low 0.03: it warns
+
+
+def test_adaptive_is_verls_three_lines_bit_for_bit():
+    """verl's AdaptiveKLController.update written out in float64 (np.clip, then mult, then value *= mult)
+    over a random KL stream with random batch sizes: the controller's β has the same bits at every step."""
+    import random
+
+    import numpy as np
+    rng = random.Random(0)
+    ctrl, value, target, horizon = AdaptiveKLController(0.05, 0.085, 320), 0.05, 0.085, 320
+    for _ in range(2000):
+        current_kl = rng.choice([0.0, rng.random() * 0.2, rng.lognormvariate(-2.5, 1.5)])
+        n_steps = rng.choice([1, 8, 64, 128, 256])
+        proportional_error = np.clip(current_kl / target - 1, -0.2, 0.2)
+        mult = 1 + proportional_error * n_steps / horizon
+        value *= mult
+        ctrl.update(current_kl, n_steps)
+        assert ctrl.value == value and type(ctrl.value) is float
+    assert ctrl.value != 0.05

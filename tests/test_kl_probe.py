@@ -86,7 +86,7 @@ def test_the_controllers_read_the_corrected_kl(monkeypatch):
                            pad_token_id=0), device=torch.device("cpu"), actor=None, ref=None, rollout_model=None,
                            specs={"old": None}, kl_ctrl=ctrl)
     step = {"i": 0}
-    monkeypatch.setattr(variants, "build_prompts", lambda *a, **k: (None, None))
+    monkeypatch.setattr(variants, "encode_prompts", lambda *a, **k: (None, None))
     monkeypatch.setattr(variants, "probe_sums", lambda *a, **k: torch.tensor(
         [probes[step["i"]] * 4, probes[step["i"]] ** 2 * 4, 4.0, 40.0], dtype=torch.float64))
     read = functools.partial(variants.probed_kl, state=ProbeState())
@@ -94,7 +94,10 @@ def test_the_controllers_read_the_corrected_kl(monkeypatch):
     beta, gap = 0.1, None
     for i, l in enumerate(logged):
         step["i"] = i
-        metrics = variants.steer(fake, {"response_mask": mask}, torch.zeros(4, 3), l, ctrl.value, None, {}, read)
+        metrics, coeff, kl = {}, ctrl.value, torch.zeros(4, 3)  # ppo_step's step 4, on a logged KL of l
+        current = read(fake, {"response_mask": mask, "is_weights": None}, kl, l, metrics)
+        ctrl.update(current, n_steps=len(mask))
+        metrics.update(variants.reward_kl_metrics(fake, kl, mask, current, coeff))
         if i in probes:
             gap = probes[i] - l if gap is None else 0.7 * gap + 0.3 * (probes[i] - l)
         want = l + gap
@@ -105,8 +108,8 @@ def test_the_controllers_read_the_corrected_kl(monkeypatch):
         assert metrics["kl_probe/responses"] == 4 * (i // 2 + 1) and metrics["kl_probe/tokens"] == 40 * (i // 2 + 1)
     assert ctrl.value != pytest.approx(0.1 * 0.98 ** 4)  # what reading l alone (4 steps under target) would give
 
-    # the KL-loss controller (harness/run.py's steer_kl_loss) reads the corrected KL when there is one
-    from nanokl.harness.run import steer_kl_loss
+    # the KL-loss controller (train_ppo.py's steer_kl_loss) reads the corrected KL when there is one
+    from train_ppo import steer_kl_loss
     loss_ctrl = AdaptiveKLController(0.3, 0.05, horizon=640)
     holder = SimpleNamespace(kl_loss_ctrl=loss_ctrl, cfg=SimpleNamespace(data=SimpleNamespace(train_batch_size=64),
                              actor_rollout_ref=SimpleNamespace(rollout=SimpleNamespace(n=1))))

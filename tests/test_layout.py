@@ -1,15 +1,16 @@
-"""The lesson stands apart from the harness, and reads in README's order.
+"""The lesson stands apart from the harness, the engine apart from the lesson, and README lists each once.
 
-Importing every lesson module (nanokl/*.py) pulls in torch and nothing of nanokl.harness,
+Importing every lesson and engine module (nanokl/*.py) pulls in torch and nothing of nanokl.harness,
 nanokl.tasks or nanokl.supervised, nor the harness's third-party packages (yaml, tokenizers,
 safetensors; tqdm is not on the list because torch itself imports it). Checked in a fresh
 interpreter, so nothing imported by another test can hide a violation.
 
-README's course table is the reading order, and the reading order is the import order: each
-lesson module imports only torch, the standard library and lesson modules that come *earlier*
-in the table, so a reader never meets a name from a module still ahead. Checked on the source
-with `ast` (imports inside functions count too), together with: every lesson module has its
-row, and the course starts near the top of README (before line 80).
+README's course has two tables: the lessons (the RL ideas, in the order ppo_step uses them) and the
+engine appendix (attention, model, graphs, fused, batching, dist: speed and many processes). Reading
+order is not import order; the layers are: a lesson imports torch, the standard library, lessons and
+engine modules; an engine module imports torch, the standard library and engine modules only, never
+a lesson. Checked on the source with `ast` (imports inside functions count too), together with: every
+module has exactly one row, and the course starts near the top of README (before line 80).
 """
 
 import ast
@@ -25,6 +26,7 @@ LESSON = sorted(p.stem for p in (ROOT / "nanokl").glob("*.py") if p.stem != "__i
 # Optional GPU kernels a lesson module may import lazily, inside the function that runs them and
 # only when installed (nanokl/attention.py: flash-attn's varlen kernel). Never at module level.
 OPTIONAL_KERNELS = {"flash_attn"}
+ENGINE = {"attention", "model", "graphs", "fused", "batching", "dist"}  # README's engine appendix
 COURSE_STARTS_BEFORE = 80
 
 
@@ -54,17 +56,22 @@ def cells(row):
     return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
 
 
-def course_order():
-    """The lesson modules named in the 'lesson module' column of README's course table, in order."""
+def course_order(column="lesson module"):
+    """The modules named in the `column` column ("lesson module" or "engine module") of README's course
+    tables, in order."""
     _, section = course_section()
     rows = [line for line in section if line.lstrip().startswith("|")]
-    headers = [i for i, row in enumerate(rows) if "lesson module" in cells(row)]
-    assert headers, "the course section has no table with a 'lesson module' column"
+    headers = [i for i, row in enumerate(rows) if column in cells(row)]
+    assert headers, f"the course section has no table with a {column!r} column"
     first = headers[0]
-    col = cells(rows[first]).index("lesson module")
+    col = cells(rows[first]).index(column)
     order = []
     for row in rows[first + 2:]:  # skip the header and its |---| line
+        if column not in cells(rows[first]) or not row.lstrip().startswith("|"):
+            break
         row_cells = cells(row)
+        if row_cells and set(row_cells[0]) <= {"-", ":", " "} and row_cells[0]:
+            break  # the next table's separator: this table ended
         m = re.match(r"`nanokl/(\w+)\.py`", row_cells[col]) if col < len(row_cells) else None
         if m:
             order.append(m.group(1))
@@ -96,26 +103,24 @@ def test_readme_course_starts_near_the_top():
         f"README's course starts at line {line}; it must start before line {COURSE_STARTS_BEFORE}")
 
 
-def test_readme_course_table_names_every_lesson_module_once():
-    order = course_order()
+def test_readme_course_names_every_module_once():
+    lessons, engine = course_order("lesson module"), course_order("engine module")
+    order = lessons + engine
     dupes = sorted({m for m in order if order.count(m) > 1})
-    assert not dupes, f"README's course table lists these modules twice: {dupes}"
+    assert not dupes, f"README's course tables list these modules more than once: {dupes}"
     missing = [m for m in LESSON if m not in order]
-    assert not missing, f"lesson modules without a row in README's course table: {missing}"
+    assert not missing, f"modules of nanokl/ without a row in README's course tables: {missing}"
     absent = [m for m in order if m not in LESSON]
-    assert not absent, f"README's course table names modules that do not exist: {absent}"
+    assert not absent, f"README's course tables name modules that do not exist: {absent}"
+    assert set(engine) == ENGINE, f"the engine appendix lists {sorted(engine)}, not {sorted(ENGINE)}"
 
 
-def test_lesson_modules_import_only_earlier_modules_of_the_course():
-    """Course order is import order: a lesson module imports torch, the standard library and the
-    lesson modules above it in README's table, nothing else."""
-    order = course_order()
-    rank = {m: i for i, m in enumerate(order)}
+def test_the_engine_imports_no_lesson_and_lessons_no_harness():
+    """A lesson imports torch, the standard library, lessons and the engine; an engine module the same
+    minus the lessons. A lesson imports no harness (the subprocess test above checks the runtime side)."""
     stdlib = set(sys.stdlib_module_names)
     bad = []
     for m in LESSON:
-        if m not in rank:
-            continue  # reported by the table test
         for name, line, top in imported_modules(ROOT / "nanokl" / f"{m}.py"):
             root, *rest = name.split(".")
             where = f"nanokl/{m}.py:{line} imports {name}"
@@ -124,14 +129,13 @@ def test_lesson_modules_import_only_earlier_modules_of_the_course():
             if root == "nanokl":
                 dep = rest[0] if rest else None
                 if dep is None:
-                    bad.append(f"{where}: import a lesson module by name, not the package")
-                elif dep not in rank:
-                    bad.append(f"{where}, which is not a lesson module of README's course table")
-                elif rank[dep] >= rank[m]:
-                    bad.append(f"{where}, which comes at or after it in README's course order "
-                               f"({m} is #{rank[m] + 1}, {dep} is #{rank[dep] + 1})")
+                    bad.append(f"{where}: import a module by name, not the package")
+                elif dep not in LESSON:
+                    bad.append(f"{where}, which is neither a lesson nor an engine module")
+                elif m in ENGINE and dep not in ENGINE:
+                    bad.append(f"{where}: the engine ({m}) imports a lesson ({dep})")
                 continue
             if root in OPTIONAL_KERNELS and not top:
                 continue
-            bad.append(f"{where}: only torch, the standard library and earlier lesson modules")
-    assert not bad, "README's course order is not the import order:\n" + "\n".join(bad)
+            bad.append(f"{where}: only torch, the standard library and nanokl's lessons and engine")
+    assert not bad, "layering:\n" + "\n".join(bad)

@@ -81,7 +81,7 @@ def test_train_ppo_refuses_a_bad_row_before_training(sft_dir, tmp_path, bad, mes
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith(f"error: {path}:4: ") and message in lines[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists() and not any(run_dir.glob("global_step_*"))
 
 
 def test_read_logged_tokenizes_responses_with_their_eos(tmp_path, tok):

@@ -1,11 +1,13 @@
-"""Tests for nanokl/masked.py: masked sum/mean/var/moments/whiten against numpy, whitening with
+"""Tests for nanokl/masked.py: masked sum/mean/moments/whiten against numpy, whitening with
 the summed moments of a split batch equal to whitening the whole batch, and NaN/±inf under the
 mask changing no statistic and no gradient.
 
 How the tests prove it. Every statistic equals numpy over the compressed real entries (holes
-included); an all-masked mean is 0; whitening with the summed moments of a 2-way split equals
+included); whitening's σ² equals the two-pass variance of the real entries (masked_var, the tests'
+float64 reference, itself checked against numpy), and whitening fewer than 2 of them raises; an
+all-masked mean is 0; whitening with the summed moments of a 2-way split equals
 whitening the whole batch, and local statistics would differ. With NaN, +inf or −inf written
-under the mask, every statistic (sum and mean with and without dim, variance, moments,
+under the mask, every statistic (sum and mean with and without dim, moments,
 whitening's statistics) equals a float64 numpy reference over the real entries and, bit for bit,
 the statistic of a copy holding 0 there, for bool, int and float masks; the multiply-based form
 Σ m·x really does turn the same inputs into NaN. masked_mean([1, 2, NaN, 4], mask [1, 0, 0, 1])
@@ -20,12 +22,26 @@ import numpy as np
 import pytest
 import torch
 
-from nanokl.masked import masked_mean, masked_moments, masked_sum, masked_var, masked_whiten, zero_masked
+from nanokl.masked import masked_mean, masked_moments, masked_sum, masked_whiten, zero_masked
 from poison import POISONS, assert_mask_holds
 
 
 def right_padded_mask(lengths, width):
     return torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths], dtype=torch.float64)
+
+
+def masked_var(values, mask, unbiased=True):
+    """The tests' reference for whitening's variance: over all mask==1 positions, two-pass (centre
+    first, then square), where masked_whiten takes σ² from the summed moments (S2/n − μ²)."""
+    values = zero_masked(values, mask)  # select first: (x − μ)² of a masked inf would send back 0·inf = NaN
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.to(values.dtype).sum()
+        if n < 2:
+            raise ValueError(f"unbiased masked_var needs at least 2 unmasked values, got {int(n)}")
+        var = var * n / (n - 1)
+    return var
 
 
 def np_whiten(x, m, shift_mean=True):
@@ -44,7 +60,7 @@ def test_masked_stats_match_numpy():
     sel = xn[mn > 0]
     assert masked_sum(x, m).item() == pytest.approx(sel.sum(), rel=1e-12)
     assert masked_mean(x, m).item() == pytest.approx(sel.mean(), rel=1e-12)
-    assert masked_var(x, m).item() == pytest.approx(sel.var(ddof=1), rel=1e-12)
+    assert masked_var(x, m).item() == pytest.approx(sel.var(ddof=1), rel=1e-12)  # the reference itself
     assert masked_var(x, m, unbiased=False).item() == pytest.approx(sel.var(ddof=0), rel=1e-12)
     row_means = masked_mean(x, m, dim=-1)
     for i in range(5):
@@ -56,8 +72,12 @@ def test_masked_stats_match_numpy():
     for shift in (True, False):
         torch.testing.assert_close(masked_whiten(x, m, shift_mean=shift),
                                    torch.from_numpy(np_whiten(xn, mn, shift)))
-    with pytest.raises(ValueError):
-        masked_var(x, right_padded_mask([1, 0, 0, 0, 0], 9))
+    # whitening's σ² (from the moments) is the two-pass variance: the whitened real entries have
+    # variance σ²/(σ² + 1e-8)
+    var = masked_var(x, m)
+    assert masked_var(masked_whiten(x, m), m).item() == pytest.approx((var / (var + 1e-8)).item(), rel=1e-12)
+    with pytest.raises(ValueError, match="at least 2 unmasked values, got 1"):
+        masked_whiten(x, right_padded_mask([1, 0, 0, 0, 0], 9))
 
 
 def test_whiten_with_global_moments_of_split_batch_equals_whole():
@@ -99,7 +119,7 @@ def test_non_finite_values_under_the_mask_never_leak(poison, mask_kind):
     rows = [xn[i][mn[i] > 0] for i in range(5)]
     cols = [xn[:, j][mn[:, j] > 0] for j in range(9)]
     want = {
-        "sum": sel.sum(), "mean": sel.mean(), "var": sel.var(ddof=1), "var0": sel.var(ddof=0),
+        "sum": sel.sum(), "mean": sel.mean(),
         "row_sum": [r.sum() for r in rows], "row_mean": [r.mean() if r.size else 0.0 for r in rows],
         "col_sum": [c.sum() for c in cols], "col_mean": [c.mean() if c.size else 0.0 for c in cols],
         "moments": [sel.sum(), (sel**2).sum(), float(sel.size)],
@@ -107,8 +127,7 @@ def test_non_finite_values_under_the_mask_never_leak(poison, mask_kind):
 
     def stats(v):
         return {
-            "sum": masked_sum(v, mask), "mean": masked_mean(v, mask), "var": masked_var(v, mask),
-            "var0": masked_var(v, mask, unbiased=False),
+            "sum": masked_sum(v, mask), "mean": masked_mean(v, mask),
             "row_sum": masked_sum(v, mask, dim=-1), "row_mean": masked_mean(v, mask, dim=-1),
             "col_sum": masked_sum(v, mask, dim=0), "col_mean": masked_mean(v, mask, dim=0),
             "moments": torch.stack(masked_moments(v, mask)),
@@ -134,8 +153,8 @@ def test_non_finite_values_under_the_mask_never_leak(poison, mask_kind):
 @pytest.mark.parametrize("mask_kind", [torch.bool, torch.int64, torch.float64])
 @pytest.mark.parametrize("poison", POISONS)
 def test_gradients_ignore_non_finite_values_under_the_mask(poison, mask_kind):
-    """Backward through every statistic (sum and mean with and without dim, both variances, both
-    whitenings feeding a masked sum) with NaN/±inf under the mask: the value and the gradient are
+    """Backward through every statistic (sum and mean with and without dim, both whitenings feeding a
+    masked sum) with NaN/±inf under the mask: the value and the gradient are
     those of finite numbers there, the gradient is finite and exactly 0 at the masked entries."""
     m = right_padded_mask([9, 4, 0, 7, 3], 9)
     m[0, 4] = 0.0  # a hole
@@ -149,8 +168,6 @@ def test_gradients_ignore_non_finite_values_under_the_mask(poison, mask_kind):
         "mean": lambda v: masked_mean(v * w, mask),
         "row_mean": lambda v: (masked_mean(v, mask, dim=-1) * w[:, 0]).sum(),
         "col_mean": lambda v: (masked_mean(v, mask, dim=0) * w[0]).sum(),
-        "var": lambda v: masked_var(v, mask),
-        "var0": lambda v: masked_var(v, mask, unbiased=False),
         "whiten": lambda v: masked_sum(masked_whiten(v, mask) * w, mask),
         "whiten_scale": lambda v: masked_mean(masked_whiten(v, mask, shift_mean=False) * w, mask),
     }

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from nanokl.harness.config import KLMonitorConfig, load_config
+from nanokl.harness.config_load import load_config
+from nanokl.harness.config_nanokl import KLMonitorConfig
 from nanokl.harness.monitor import CHECKS, Event, KLMonitor
 
 KL, KL_LOSS, KL_VAR, ENT, RVAR = ("actor/reward_kl_penalty", "actor/kl_loss", "actor/reward_kl_var",
@@ -22,7 +23,9 @@ HEALTHY = {KL: 0.05, KL_VAR: 0.01, ENT: 1.0, RVAR: 0.5}
 def cfg(**kw):
     """The tests below were written for a band that acts at its edges (the behaviour before separate act
     thresholds, kept by setting them to the edges) and without escalation; tests/test_hacking.py tests
-    the article's act thresholds, the escalation and the quiet start."""
+    the article's act thresholds, the escalation and the quiet start. They were also written for the early
+    stop acting (kl_stop_action "stop", its default before the monitor went on by default, warn only)."""
+    kw.setdefault("kl_stop_action", "stop")
     kw.setdefault("kl_high_act", kw.get("kl_high", 0.08))
     kw.setdefault("kl_low_act", kw.get("kl_low", 0.02))
     kw.setdefault("escalation", "none")
@@ -47,9 +50,9 @@ def fire_steps(monitor, stream, check):
 def test_defaults_are_the_checklist_numbers():
     c = KLMonitorConfig()
     assert (c.enable, c.kl_low, c.kl_high, c.kl_var_max, c.entropy_min, c.reward_var_max, c.kl_stop,
-            c.kl_stop_patience) == (False, 0.02, 0.08, 0.05, 0.2, 2.0, 0.2, 5)
+            c.kl_stop_patience) == (True, 0.02, 0.08, 0.05, 0.2, 2.0, 0.2, 5)  # on by default (issue 41)
     assert (c.kl_band_action, c.kl_var_action, c.entropy_action, c.reward_var_action, c.kl_stop_action) == \
-        ("warn", "warn", "warn", "warn", "stop")
+        ("warn", "warn", "warn", "warn", "warn")  # warn only: acting is opt-in (kl_stop_action=stop)
     assert (c.rollback_beta_factor, c.max_rollbacks, c.rollback_min_beta) == (2.0, 3, 0.01)
     assert {f"{name}_action" for name in CHECKS} <= {f.name for f in dataclasses.fields(KLMonitorConfig)}
 
@@ -237,7 +240,7 @@ def test_kl_below_the_band_warns_instead_of_rolling_back():
 # ---------------------------------------------------------------------------------------------
 # adjust: the remedies, with cooldowns and limits; each change written out by hand
 
-from nanokl.harness.config import AdjustRule  # noqa: E402
+from nanokl.harness.config_nanokl import AdjustRule  # noqa: E402
 
 SCORE, EV = "critic/score/mean", "critic/vf_explained_var"
 

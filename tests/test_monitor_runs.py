@@ -78,7 +78,7 @@ def test_rollback_reloads_the_healthy_checkpoint_and_raises_beta(sft_dir, tmp_pa
     assert fired is not None, "the blow-up run never crossed kl_stop twice in a row"
     at = {r["training/global_step"]: r for r in rows}
     assert at[fired]["monitor/health"] == "rollback" and at[fired]["monitor/rollbacks"] == 0
-    assert f"rolled back to {tmp_path / 'checkpoints' / 'global_step_0'}" in err
+    assert f"rolled back to {tmp_path / 'global_step_0'}" in err
     after = at[fired + 1]
     assert after["monitor/rollbacks"] == 1
     assert after["actor/reward_kl_penalty_coeff"] == pytest.approx(0.02)  # max(0, 0.01) * factor 2
@@ -165,7 +165,7 @@ def test_adjustments_and_the_schedule_survive_a_resume(sft_dir, tmp_path, capfd,
     monkeypatch.delenv("NANOKL_FAULT")
     assert go(tmp_path / "b")[0] == 0
     ra, rb = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
-    quiet = ("timing_s/", "perf/throughput")
+    quiet = ("timing", "perf/throughput", "perf/time_per_step")
     assert [{k: v for k, v in r.items() if not k.startswith(quiet)} for r in ra] == \
         [{k: v for k, v in r.items() if not k.startswith(quiet)} for r in rb]
     steps = {r["training/global_step"]: r for r in ra if "actor/target_kl" in r}

@@ -11,7 +11,7 @@ each against what it must equal, computed another way:
   alone, repeated over its rollout.n rows;
 - the correct parts: sequence_is and rejection equal offline.py's weights and mask, with verl's
   metric names;
-- validate with val_kwargs.n > 1: best@k / worst@k / maj@k equal val_metrics.validation_metrics on
+- validate with val_kwargs.n > 1: best@k / worst@k / maj@k equal test_val_metrics.validation_metrics on
   the very responses validate sampled, scored and voted on by the same functions.
 """
 
@@ -22,13 +22,13 @@ import pytest
 import torch
 
 from nanokl.harness import scoring, variants
-from nanokl.harness.config import load_config
+from nanokl.harness.config_load import load_config
 from nanokl.harness.data import rank_rows
 from nanokl.harness.run_state import TrainingStopped
-from nanokl.harness.val_metrics import validation_metrics
 from nanokl.offline import rejection_mask, rs_sums, sequence_is_weights
 from nanokl.rollout import RolloutOutput
 from nanokl.tasks import arith
+from test_val_metrics import validation_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"
@@ -218,7 +218,7 @@ def test_sequence_is_and_rejection_equal_offlines_weights_and_mask():
     RC = "algorithm.rollout_correction."
     run = correct_run(f"{RC}rollout_is=sequence", f"{RC}rollout_is_threshold=3.0", f"{RC}rollout_rs=token_k1,seq_max_k2",
                       f"{RC}rollout_rs_threshold='0.7_1.5,0.3'")
-    part = variants.choose(run.cfg, critic=True, bypass=False)["correct"]
+    part = variants.choose(run.cfg)["rollout_correction"]
     w, kept, metrics = part(run, batch, mu)
     want_w = sequence_is_weights(batch["old_log_probs"], mu, batch["response_mask"], 3.0)
     want_kept = rejection_mask(batch["old_log_probs"], mu, batch["response_mask"], "token_k1,seq_max_k2", "0.7_1.5,0.3")
@@ -231,19 +231,19 @@ def test_sequence_is_and_rejection_equal_offlines_weights_and_mask():
     assert {"rollout_corr/is_mean", "rollout_corr/is_clipfrac", "rollout_corr/is_ess"} <= set(metrics)
     # rejection alone: no weights; no correction at all: the mask as it was
     w, kept2, metrics = variants.choose(correct_run(f"{RC}rollout_rs=token_k1,seq_max_k2",
-                                                    f"{RC}rollout_rs_threshold='0.7_1.5,0.3'").cfg,
-                                        critic=True, bypass=False)["correct"](run, batch, mu)
+                                                    f"{RC}rollout_rs_threshold='0.7_1.5,0.3'").cfg
+                                        )["rollout_correction"](run, batch, mu)
     assert w is None and torch.equal(kept2, want_kept) and "rollout_corr/is_mean" not in metrics
     w, same, metrics = variants.no_correction(run, batch, mu)
     assert w is None and same is batch["response_mask"] and metrics == {}
 
 
-def test_advantages_read_the_mask_rejection_left(sft_dir, tmp_path):
-    """Step 5 of ppo_step takes the response_mask that step 3's correct part returned, as verl's
+def test_advantages_read_the_mask_rejection_left(sft_dir, tmp_path, monkeypatch):
+    """Step 5 of ppo_step takes the response_mask that step 3's rollout_correction part returned, as verl's
     compute_advantage reads the batch's mask after rollout_rs rewrote it: GAE whitens over the kept
     tokens only. The part is scripted here to reject the second half of the responses."""
     import train_ppo
-    from nanokl.harness.config import parse_cli
+    from nanokl.harness.config_load import parse_cli
     from nanokl.harness.run import setup
     run = setup(parse_cli(["--config", str(TINY), "data.num_train=16", "data.num_val=0", "data.train_batch_size=4",
                            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -257,10 +257,10 @@ def test_advantages_read_the_mask_rejection_left(sft_dir, tmp_path):
         mask[len(mask) // 2:] = 0
         kept["mask"] = mask
         return None, mask, {}
-    estimator = run.estimator
-    run.correct = reject_half
-    run.estimator = SimpleNamespace(
-        fn=lambda rewards, mask, *a, **k: seen.append(mask) or estimator.fn(rewards, mask, *a, **k))
+    real = train_ppo.compute_advantage
+    run.rollout_correction = reject_half
+    monkeypatch.setattr(train_ppo, "compute_advantage",
+                        lambda name, rewards, mask, *a, **k: seen.append(mask) or real(name, rewards, mask, *a, **k))
     train_ppo.ppo_step(run, 0)
     assert len(seen) == 1 and seen[0] is kept["mask"] and 0 < int(seen[0].sum())
 

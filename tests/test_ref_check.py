@@ -61,8 +61,8 @@ def test_a_reference_sharing_the_actors_memory_stops_the_run_at_the_first_rechec
     assert len(lines) == 1, err[-3000:]
     # the probe was recorded before the tie, from equal weights: only the update of step 1 moves it
     assert "at step 1:" in lines[0] and "shares storage with the actor" in lines[0]
-    assert f"checkpoint saved to {tmp_path / 'checkpoints' / 'global_step_1'}" in lines[0]
-    assert (tmp_path / "checkpoints" / "global_step_1").is_dir()
+    assert f"checkpoint saved to {tmp_path / 'global_step_1'}" in lines[0]
+    assert (tmp_path / "global_step_1").is_dir()
     rows = read_metrics(tmp_path)
     assert [r["training/global_step"] for r in rows] == [1] and rows[0]["monitor/ref_consistent"] == 0.0
     assert "run summary: reference check stop at step 1" in err

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanokl.advantages import ESTIMATORS
+from nanokl.advantages import compute_advantage
 from nanokl.offline import rejection_mask
 from nanokl.rewards import token_level_scores
 from test_advantages import verl_reinforce_pp_loop
@@ -122,7 +122,7 @@ def step5(name, rewards, rollout_mask, kept, values=None, baselines=None, gamma=
     """The call of ppo_step's step 5: the kept mask, the rollout's as score_mask, one prompt."""
     alg = SimpleNamespace(gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm)
     index = torch.arange(1).repeat_interleave(3)
-    return ESTIMATORS[name].fn(rewards, kept, values, index, alg, None, baselines=baselines, score_mask=rollout_mask)
+    return compute_advantage(name, rewards, kept, values, index, alg, None, baselines=baselines, score_mask=rollout_mask)
 
 
 # closed forms of verl's formulas on scores (1, 0, 1), response 0's second token rejected
@@ -221,7 +221,7 @@ def test_ppo_step_advantages_keep_the_scores_rejection_masked(sft_dir, tmp_path,
     verl's formulas on the row sums of the rewards, 0 on the rejected tokens; for each grouped estimator."""
     import train_ppo
     from nanokl.harness import scoring
-    from nanokl.harness.config import parse_cli
+    from nanokl.harness.config_load import parse_cli
     from nanokl.harness.run import setup
     rc = "algorithm.rollout_correction."
     run = setup(parse_cli(["--config", str(ROOT / "configs" / "grpo_arith.yaml"), "data.num_train=16", "data.num_val=0",
@@ -251,17 +251,17 @@ def test_ppo_step_advantages_keep_the_scores_rejection_masked(sft_dir, tmp_path,
         seq = torch.tensor([1.0, 0.0, 1.0, 0.0]).repeat(len(rule) // 4)
         return token_level_scores(seq, out.response_mask), seq, rule
 
-    def spy(fn):
-        def call(rewards, mask, *a, **k):
-            result = fn(rewards, mask, *a, **k)
+    def spy(name):
+        def call(_, rewards, mask, *a, **k):  # the estimator under test, whatever the config names
+            result = compute_advantage(name, rewards, mask, *a, **k)
             seen["rewards"], seen["index"], seen["adv"] = rewards, a[1], result[0]
             return result
         return call
 
     monkeypatch.setattr(train_ppo, "score_batch", scripted_scores)
-    run.correct = shifted_correct(run.correct)
+    run.rollout_correction = shifted_correct(run.rollout_correction)
     for name in VERL:
-        run.estimator = ESTIMATORS[name]._replace(fn=spy(ESTIMATORS[name].fn))
+        monkeypatch.setattr(train_ppo, "compute_advantage", spy(name))
         train_ppo.ppo_step(run, 0)
         rollout_mask, kept = seen["rollout_mask"], seen["kept"]
         rejected = rollout_mask.bool() & ~kept.bool()

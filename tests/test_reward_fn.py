@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanokl.harness.config import load_config
 from nanokl.harness.config_io import UserError, run_cli
+from nanokl.harness.config_load import load_config
 from nanokl.harness.reward_fn import REWARD_MANAGERS, check_sources, load_custom, manager, naive, scorer
 from nanokl.harness.scoring import score_batch
 from nanokl.harness.tokenizer import train_tokenizer
@@ -20,6 +20,7 @@ from nanokl.rollout import RolloutOutput
 from nanokl.tasks import SOURCES, arith, get_task, gsm8k
 from nanokl.tasks.arith import arith_score
 from nanokl.tasks.gsm8k import gsm8k_score
+from verl_data import verl_row
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"
@@ -69,13 +70,14 @@ def test_a_custom_function_scores_every_response_as_a_hand_loop_does(tmp_path, t
     token_scores, scores, rule = score_batch(tok, out, EXAMPLES, cfg, global_step=7)
     # the reference: the file's function, run on its own, called the way verl's naive manager calls it
     fn = runpy.run_path(str(path))["compute_score"]
-    want = []
+    want, accs = [], []
     for i, ex in enumerate(EXAMPLES):
         text = tok.decode([t for t, m in zip(out.responses[i].tolist(), out.response_mask[i].tolist()) if m])
         got = fn(data_source=ex["data_source"], solution_str=text, ground_truth=ex["ground_truth"],
                  extra_info=ex.get("extra_info", {}))
         want.append(float(got["score"] if isinstance(got, dict) else got))
-    assert rule.tolist() == scores.tolist() == want
+        accs.append(float(got["acc"] if isinstance(got, dict) else got))  # a dict's "acc", else the score
+    assert scores.tolist() == want and rule.tolist() == accs and accs[1] == 1.0 != want[1]
     assert len(set(want)) > 2  # the rows differ: the test sees every input reach the function
     last = out.response_mask.sum(-1) - 1
     for i, w in enumerate(want):  # on the last token, minus the penalty where the EOS never came
@@ -124,8 +126,8 @@ def test_the_hook_errors_are_one_line_naming_the_key(tmp_path, sft_dir, capsys):
 
 def verl_rows(tmp_path):
     """A mixed file: two GSM8K rows as verl's preprocessing writes them, two arith rows, a raw GSM8K row."""
-    rows = [gsm8k.verl_row("Tom has 3 apples and buys 4. How many?", "3+4=7\n#### 7", "train", 0),
-            gsm8k.verl_row("A shop sells 1,200 pens a day. How many in 2 days?", "2*1200=2400\n#### 2,400", "train", 1),
+    rows = [verl_row("Tom has 3 apples and buys 4. How many?", "3+4=7\n#### 7", "train", 0),
+            verl_row("A shop sells 1,200 pens a day. How many in 2 days?", "2*1200=2400\n#### 2,400", "train", 1),
             {"data_source": "arith", "prompt": [{"role": "user", "content": "Q: 3+4=?\nA:"}],
              "reward_model": {"style": "rule", "ground_truth": "7"}},
             {"data_source": "arith", "prompt": "Q: 9-2=?\nA:", "reward_model": {"ground_truth": 7}},
@@ -139,7 +141,7 @@ def test_with_data_files_and_no_task_each_row_is_scored_by_its_data_source(tmp_p
     path = verl_rows(tmp_path)
     cfg = load_config(TINY, ["data.task=null", f"data.train_files={path}"])
     assert cfg.data.task is None and load_config(TINY, ["data.task=null"]).data.task == "arith"
-    assert SOURCES == {"arith": arith, "openai/gsm8k": gsm8k}
+    assert {s: t for s, t in SOURCES.items() if t in (arith, gsm8k)} == {"arith": arith, "openai/gsm8k": gsm8k}
     train, val = get_task(cfg.data.task).examples(cfg.data)
     assert [ex["data_source"] for ex in train] == ["openai/gsm8k"] * 2 + ["arith"] * 2 + ["openai/gsm8k"]
     assert val == [] and train[4]["ground_truth"] == "2"
@@ -159,14 +161,14 @@ def test_with_data_files_and_no_task_each_row_is_scored_by_its_data_source(tmp_p
 
 def test_an_unknown_data_source_is_one_line_naming_the_known_ones(tmp_path):
     path = tmp_path / "math.jsonl"
-    path.write_text(json.dumps({"data_source": "lighteval/MATH", "prompt": [{"role": "user", "content": "1+1?"}],
+    path.write_text(json.dumps({"data_source": "numina_olympiads", "prompt": [{"role": "user", "content": "1+1?"}],
                                 "reward_model": {"ground_truth": "2"}}) + "\n")
     cfg = load_config(TINY, ["data.task=null", f"data.train_files={path}"])
     train, _ = get_task(None).examples(cfg.data)
     with pytest.raises(UserError) as err:
         check_sources(cfg, train)
     text = str(err.value)
-    assert "\n" not in text and "'lighteval/MATH'" in text and "known: arith, openai/gsm8k" in text
+    assert "\n" not in text and "'numina_olympiads'" in text and "known: arith, openai/gsm8k" in text
     assert "custom_reward_function.path" in text
     # the user's own function scores every row, whatever its data_source
     mine = tmp_path / "mine.py"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nanokl.kl import KL_KINDS
-from nanokl.rewards import apply_exact_kl_penalty, apply_kl_penalty, mean_kl, overlong_penalty, token_level_scores
+from nanokl.rewards import apply_kl_penalty, mean_kl, overlong_penalty, token_level_scores
 from test_kl import naive_value  # each estimator written out in float64
 
 
@@ -86,7 +86,7 @@ def test_exact_penalty_takes_the_given_kl_and_a_reduce_adds_shards():
     kl = torch.rand(4, 3, generator=g)
     kl[0, 2] = float("nan")
     scores = torch.zeros(4, 3)
-    rewards, kl0, current = apply_exact_kl_penalty(scores, kl, mask, 2.0)
+    rewards, kl0, current = apply_kl_penalty(scores, None, None, mask, 2.0, "full", kl=kl)
     assert torch.equal(rewards, -2.0 * kl0) and kl0[0, 2] == 0 and kl0[3].eq(0).all()
     naive = [(kl[0, 0] + kl[0, 1]).item() / 2, kl[1, 0].item(), kl[2].sum().item() / 3, 0.0]
     assert current == pytest.approx(sum(naive) / 4, rel=1e-6)

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from nanokl import model as M
-from nanokl.graphs import engine_stats, generate, make_engine
+from nanokl.graphs import engine_stats, make_engine
+from nanokl.rollout import generate
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

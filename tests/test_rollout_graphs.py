@@ -38,9 +38,8 @@ from fake_cuda_graph import FakeGraphs, host_sync, storage, written
 from nanokl import graphs
 from nanokl import model as M
 from nanokl.fused import fuse_for_rollout
-from nanokl.graphs import (KVBudgetError, batch_buckets, engine_bytes, engine_stats, generate, kv_cache_bytes,
-                           make_engine)
-from nanokl.rollout import DecodeState, decode_step
+from nanokl.graphs import KVBudgetError, batch_buckets, engine_bytes, engine_stats, kv_cache_bytes, make_engine
+from nanokl.rollout import DecodeState, decode_step, generate
 
 V, EOS, PAD = 48, 1, 0
 
@@ -384,7 +383,7 @@ def test_kv_cache_bytes_by_hand_and_as_allocated(fake):
     engine = make_engine(m, 11, 21)  # 11 rows: the top bucket, 16, is allocated
     assert engine.buckets[-1] == 16
     assert engine.cache.k.nbytes + engine.cache.v.nbytes == kv_cache_bytes(m.config, 16, 21, torch.float32)
-    state = engine.state
+    state = engine.static(DecodeState)  # what rollout.generate has the engine allocate beside the cache
     assert engine_bytes(m.config, 16, 21, torch.float32) == sum(
         t.nbytes for t in (engine.cache.k, engine.cache.v, engine.cache.valid, state.out_tokens, state.out_logp))
 

@@ -50,7 +50,7 @@ def errors(err):
 @pytest.fixture(scope="module")
 def other_sft(tmp_path_factory):
     """A second warm start of another width (hidden 48, not 32): another model with its own tokenizer file."""
-    from nanokl.harness.config import load_config
+    from nanokl.harness.config_load import load_config
     from nanokl.supervised.sft import train_sft
     out = tmp_path_factory.mktemp("sft48")
     train_sft(load_config(ROOT / "configs" / "arith_tiny.yaml",
@@ -119,7 +119,7 @@ def test_resume_with_a_changed_batch_size_refuses_unless_allowed(sft_dir, two_st
     # accepted by name, as the line says how (the critic's mini-batch follows the actor's): resumes at step 2,
     # says so in one line, and only then writes config.yaml
     allow = line.split("resume with the change: ")[1]
-    assert allow == ("trainer.resume_allow_changes=[data.train_batch_size,actor_rollout_ref.actor.ppo_mini_batch_size,"
+    assert allow == ("trainer.resume_allow_changes=[data.train_batch_size,data.gen_batch_size,actor_rollout_ref.actor.ppo_mini_batch_size,"
                      "critic.ppo_mini_batch_size]")
     code, err = cli(argv(sft_dir, run_dir, *changed, allow), capfd)
     assert code == 0, err[-2000:]
@@ -173,7 +173,7 @@ def test_a_checkpoint_without_a_record_resumes_with_a_note(sft_dir, two_steps, c
 # ---------------------------------------------------------------------------------------------
 
 def test_default_folder_is_verls(tmp_path):
-    from nanokl.harness.config import load_config, parse_cli
+    from nanokl.harness.config_load import load_config, parse_cli
     verl = parse_cli(["data.train_files=x.parquet", "actor_rollout_ref.model.path=m"])
     assert verl.trainer.default_local_dir == "checkpoints/nanokl/default"
     named = parse_cli(["data.train_files=x.parquet", "actor_rollout_ref.model.path=m", "trainer.project_name=p",
@@ -235,8 +235,9 @@ def test_a_run_that_starts_over_sets_the_old_metrics_aside(sft_dir, tmp_path, ca
     code, err = cli(argv(sft_dir, tmp_path, "trainer.total_training_steps=2", "trainer.resume_mode=disable"), capfd)
     assert code == 0, err[-2000:]
     assert steps_logged(tmp_path) == [1, 2] and steps_logged(tmp_path, "metrics.2.jsonl") == [1]
-    assert (tmp_path / "checkpoints.2" / "global_step_1").is_dir()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["global_step_2"]
+    assert (tmp_path / "checkpoints.2" / "global_step_1").is_dir()  # verl's layout set aside into checkpoints.N/
+    assert (tmp_path / "checkpoints.2" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.glob("global_step_*") if p.is_dir()) == ["global_step_2"]
     assert json.loads((tmp_path / "summary.json").read_text())["last_step"] == 2
 
 
@@ -252,16 +253,16 @@ def test_a_checkpoint_never_commits_without_its_row(sft_dir, tmp_path, monkeypat
     real_log = tracking.Tracker.log
 
     def log(self, metrics, step):
-        ckpts = tmp_path / "checkpoints"
+        ckpts = tmp_path  # verl's layout: <dir>/global_step_N
         if (ckpts / f"global_step_{step}").exists() or (ckpts / f"global_step_{step}.tmp").exists():
             raise Crash(step)
         return real_log(self, metrics, step)
     monkeypatch.setattr(tracking.Tracker, "log", log)
     extra = ["trainer.total_training_steps=4"]
     if path == "nan_stop":
-        from nanokl.ppo import POLICY_LOSSES
-        real = POLICY_LOSSES["vanilla"]
-        monkeypatch.setitem(POLICY_LOSSES, "vanilla", lambda *a, **kw: (lambda lm: (lm[0] * float("nan"), lm[1]))(
+        from nanokl import workers
+        real = workers.compute_policy_loss
+        monkeypatch.setattr(workers, "compute_policy_loss", lambda *a, **kw: (lambda lm: (lm[0] * float("nan"), lm[1]))(
             real(*a, **kw)))
         extra = ["trainer.total_training_steps=10", "trainer.save_freq=-1"]
     elif path == "monitor_stop":  # any KL above 1e-9 for one step stops the run
@@ -271,7 +272,7 @@ def test_a_checkpoint_never_commits_without_its_row(sft_dir, tmp_path, monkeypat
     with pytest.raises(Crash):
         train_ppo.main(argv(sft_dir, tmp_path, *extra))
     logged = set(steps_logged(tmp_path))
-    committed = [int(p.name.rsplit("_", 1)[1]) for p in (tmp_path / "checkpoints").glob("global_step_*")
+    committed = [int(p.name.rsplit("_", 1)[1]) for p in tmp_path.glob("global_step_*")
                  if p.is_dir() and p.suffix != ".tmp"]
     assert all(s in logged for s in committed), (committed, sorted(logged))
     ckpt = latest_checkpoint(tmp_path, warn=False)

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from nanokl.harness.config import ConfigError, DataConfig, load_config
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config import DataConfig
+from nanokl.harness.config_io import ConfigError, UserError
+from nanokl.harness.config_load import load_config
 from nanokl.harness.data import DataError
 from nanokl.tasks import TASKS, arith, get_task, gsm8k
 from nanokl.tasks.arith import ArithDifficulty, arith_score, make_arith_task, mix_answer_formats
 from nanokl.tasks.gsm8k import INSTRUCTION, extract_gsm8k_answer, gsm8k_score, load_examples
+from verl_data import verl_row, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"
@@ -312,10 +314,10 @@ def test_verl_style_gsm8k_rows_have_no_demonstrations(tmp_path):
 
 
 def test_verl_row_is_what_verls_preprocessing_writes(tmp_path):
-    """gsm8k.verl_row against the row verl's examples/data_preprocess/gsm8k.py builds, written out by
-    hand; and such rows read back from Parquet as verl's rows (data.write_rows; needs pyarrow)."""
+    """verl_row (tests/verl_data.py) against the row verl's examples/data_preprocess/gsm8k.py builds,
+    written out by hand; and such rows read back from Parquet as verl's rows (write_rows; needs pyarrow)."""
     question, answer = "A pen costs $2. How much do 600 pens cost?", "600*2=1200\n#### 1,200"
-    row = gsm8k.verl_row(question, answer, "test", 5)
+    row = verl_row(question, answer, "test", 5)
     assert row == {
         "data_source": "openai/gsm8k",
         "prompt": [{"role": "user", "content": question + ' Let\'s think step by step and output the final answer '
@@ -325,10 +327,9 @@ def test_verl_row_is_what_verls_preprocessing_writes(tmp_path):
         "extra_info": {"split": "test", "index": 5, "answer": answer, "question": question},
     }
     with pytest.raises(UserError, match="no '#### <number>' final answer"):
-        gsm8k.verl_row("q", "no answer", "train", 0)
+        verl_row("q", "no answer", "train", 0)
     pytest.importorskip("pyarrow")
-    from nanokl.harness.data import write_rows
-    path = write_rows(tmp_path / "test.parquet", [row, gsm8k.verl_row("Q2", "#### -3", "test", 6)])
+    path = write_rows(tmp_path / "test.parquet", [row, verl_row("Q2", "#### -3", "test", 6)])
     got = load_examples(path)
     assert [(e["prompt"], e["ground_truth"], e["messages"], e["extra_info"]["index"]) for e in got] == [
         (row["prompt"][0]["content"], "1200", row["prompt"], 5), ("Q2 " + INSTRUCTION, "-3",

@@ -34,7 +34,7 @@ TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data
 @pytest.fixture(scope="module")
 def logged_file(tmp_path_factory):
     """Ranked logged responses to 16 training problems of the arithmetic task (no log-probs: mu = pi_ref)."""
-    from nanokl.harness.config import load_config
+    from nanokl.harness.config_load import load_config
     from nanokl.tasks import get_task
     cfg = load_config(ROOT / "configs" / "arith_tiny.yaml", ["data.num_train=16", "data.num_val=0"])
     train, _ = get_task("arith").examples(cfg.data, seed=0)
@@ -59,7 +59,7 @@ def never(*args, **kwargs):
 
 
 def test_offline_ppo_never_samples_and_logs_its_kl(sft_dir, tmp_path, logged_file, monkeypatch):
-    monkeypatch.setattr(variants, "generate", never)  # the training step's sampler; validation's (harness/scoring.py) stays
+    monkeypatch.setattr(variants, "sample", never)  # the training step's sampler; validation's (harness/scoring.py) stays
     rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.rollout.n=2")
     assert [r["training/global_step"] for r in rows] == [0, 1, 2, 3]
     first = rows[1]
@@ -106,11 +106,11 @@ def test_a_mini_batch_whose_tokens_were_all_rejected_adds_a_loss_of_0(sft_dir, t
 
 
 def test_dpo_in_the_offline_step(sft_dir, tmp_path, logged_file, monkeypatch):
-    monkeypatch.setattr(variants, "generate", never)
+    monkeypatch.setattr(variants, "sample", never)
     rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.actor.loss_mode=dpo", "actor_rollout_ref.rollout.n=2",
                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                "critic.ppo_mini_batch_size=8")  # one mini-batch a step: its loss is all at pi = pi_ref
-    assert not (tmp_path / "checkpoints" / "global_step_3" / "critic").exists()  # DPO builds no critic
+    assert not (tmp_path / "global_step_3" / "critic").exists()  # DPO builds no critic
     assert rows[1]["actor/dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)  # pi = pi_ref: h = 0 for every pair
     assert rows[1]["actor/dpo_reward_margin"] == pytest.approx(0.0, abs=1e-6)
     assert rows[-1]["actor/dpo_loss"] < math.log(2)  # the chosen responses gained on the rejected ones
@@ -162,6 +162,6 @@ def test_torchrun_two_processes_equal_one(sft_dir, tmp_path, logged_file):
         for k in ("actor/pg_loss", "actor/reward_kl_penalty", "rollout_corr/is_mean", "critic/score/mean",
                   "critic/vf_loss", "actor/reward_kl_penalty_coeff"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), k
-    wa = load_file(one / "checkpoints" / "global_step_3" / "actor" / "model.safetensors")
-    wb = load_file(two / "checkpoints" / "global_step_3" / "actor" / "model.safetensors")
+    wa = load_file(one / "global_step_3" / "actor" / "model.safetensors")
+    wb = load_file(two / "global_step_3" / "actor" / "model.safetensors")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5

@@ -76,7 +76,7 @@ def test_smoke_runs(sft_dir, tmp_path, name, extra, keys):
     assert (latest_checkpoint(tmp_path) is None) == (name == "grpo")
     if name == "grpo":
         assert "critic/vf_loss" not in last  # no critic
-        assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+        assert not any(tmp_path.glob("global_step_*")) and not (tmp_path / "latest_checkpointed_iteration.txt").exists()
     if name == "kl_loss":  # rollout log-probs and the recomputed ones agree to float error (same weights, same formula)
         assert last["rollout/log_prob_max_diff"] < 1e-4 and last["rollout/bypass"] == 0.0
     else:  # CPU, the fp32 actor samples: bypass_mode=auto takes the old log-probs from the rollout
@@ -235,13 +235,13 @@ def test_resume_logs_each_step_once(sft_dir, tmp_path):
     with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
         f.write('{"training/global_step": 4, "actor/pg_l')  # a row cut by the crash
     run(sft_dir, tmp_path / "b", *steps4, "trainer.resume_mode=resume_path",
-        f"trainer.resume_from_path={tmp_path / 'b' / 'checkpoints' / 'global_step_2'}")
+        f"trainer.resume_from_path={tmp_path / 'b' / 'global_step_2'}")  # verl's layout
     a, b = raw_rows(tmp_path / "a"), raw_rows(tmp_path / "b")
     assert [r["training/global_step"] for r in b] == [0, 1, 2, 3, 4]
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys()
-        assert {k: v for k, v in ra.items() if not k.startswith(("timing_s/", "perf/throughput"))} == \
-            {k: v for k, v in rb.items() if not k.startswith(("timing_s/", "perf/throughput"))}
+        assert {k: v for k, v in ra.items() if not k.startswith(("timing", "perf/throughput", "perf/time_per_step"))} == \
+            {k: v for k, v in rb.items() if not k.startswith(("timing", "perf/throughput", "perf/time_per_step"))}
 
 
 def test_auto_resume_skips_truncated_weights(sft_dir, tmp_path, capfd):
@@ -250,13 +250,13 @@ def test_auto_resume_skips_truncated_weights(sft_dir, tmp_path, capfd):
     steps4 = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1"]
     run(sft_dir, tmp_path / "a", *steps4)
     run(sft_dir, tmp_path / "b", *steps4)
-    bad = tmp_path / "b" / "checkpoints" / "global_step_4" / "actor" / "model.safetensors"
+    bad = tmp_path / "b" / "global_step_4" / "actor" / "model.safetensors"
     bad.write_bytes(bad.read_bytes()[:1000])
     capfd.readouterr()
     run(sft_dir, tmp_path / "b", *steps4)
     err = capfd.readouterr().err
     assert f"checkpoint global_step_4 skipped: {bad}" in err and "at step 2" in err
-    wa, wb = weights(tmp_path / "a" / "checkpoints" / "global_step_4" / "actor"), weights(bad.parent)
+    wa, wb = weights(tmp_path / "a" / "global_step_4" / "actor"), weights(bad.parent)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [r["training/global_step"] for r in raw_rows(tmp_path / "b")] == [0, 1, 2, 3, 4]
 
@@ -296,8 +296,9 @@ train_ppo.main(["--config", {str(ROOT / 'configs' / 'arith_tiny.yaml')!r}, *{TIN
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr[-2000:]
-    assert (tmp_path / "checkpoints" / "global_step_4.tmp").exists()  # the half-written one
-    assert latest_checkpoint(tmp_path) == before  # still the pointer's target
+    assert (tmp_path / "global_step_4.tmp").exists()  # the half-written one
+    assert latest_checkpoint(tmp_path) == before  # still the tracker's target
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"  # it never names a .tmp
     load_state(before)
     from nanokl.harness.hf_format import from_pretrained, load_value_model
     from_pretrained(before / "actor")
@@ -331,8 +332,8 @@ def test_user_errors_exit_2_with_one_line(sft_dir, tmp_path):
 
 
 def test_nan_loss_is_skipped_then_stops_the_run(sft_dir, tmp_path, monkeypatch):
-    from nanokl.ppo import POLICY_LOSSES
-    real = POLICY_LOSSES["vanilla"]
+    from nanokl import workers
+    real = workers.compute_policy_loss
     calls = {"n": 0}
 
     def poisoned(*args, **kw):
@@ -340,7 +341,7 @@ def test_nan_loss_is_skipped_then_stops_the_run(sft_dir, tmp_path, monkeypatch):
         calls["n"] += 1
         return loss * float("nan"), m
 
-    monkeypatch.setitem(POLICY_LOSSES, "vanilla", poisoned)  # update_actor looks the loss up at each call
+    monkeypatch.setattr(workers, "compute_policy_loss", poisoned)  # update_actor looks the loss up at each call
     with pytest.raises(train_ppo.TrainingStopped, match="3 steps in a row"):
         run(sft_dir, tmp_path, "trainer.total_training_steps=10", "trainer.save_freq=-1", "trainer.test_freq=-1")
     rows = read_metrics(tmp_path)
@@ -355,7 +356,7 @@ def test_fresh_heads_and_warm_start_draw_from_their_own_seeded_generators(sft_di
     """The value head and the RM head are normal(0, initializer_range) rows from a CPU generator of
     their own seed (the reference: that generator drawn here), whatever torch's global generator
     went through before; the warm start neither depends on nor moves the global generator."""
-    from nanokl.harness.config import load_config
+    from nanokl.harness.config_load import load_config
     from nanokl.harness.hf_format import load_value_model, read_config
     from nanokl.supervised.reward_model import load_reward_model
     from nanokl.supervised.sft import train_sft
@@ -393,5 +394,5 @@ def test_same_run_whether_the_warm_start_was_trained_in_process_or_loaded(tmp_pa
     assert len(a) == len(b) == 3 and "critic/values/mean" in a[1]
 
     def strip(r):
-        return {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/throughput"))}
+        return {k: v for k, v in r.items() if not k.startswith(("timing", "perf/throughput", "perf/time_per_step"))}
     assert [strip(r) for r in a] == [strip(r) for r in b]

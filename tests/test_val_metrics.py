@@ -16,12 +16,13 @@ answer seen first, which is either with probability ½); without replacement bes
 
 import math
 import random
+from collections import defaultdict
 
 import numpy as np
 import pytest
 
-from nanokl.harness.val_metrics import (bootstrap_indices, majority_scores, metric_names, prompt_metrics,
-                                        sample_sizes, validation_metrics)
+from nanokl.harness.val_metrics import (bootstrap_indices, majority_scores, metric_key, metric_names, prompt_metrics,
+                                        sample_sizes)
 
 B, SEED = 1000, 42
 MC_TOL = 5  # standard errors
@@ -92,6 +93,31 @@ def validation_loop(sources, uids, infos, answers):
             sec = "val-core" if (var == core and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name) \
                 else "val-aux"
             out[f"{sec}/{src}/{var}/{name}"] = math.fsum(vals) / len(vals)
+    return out
+
+
+def validation_metrics(data_sources, uids, infos: dict, answers=None, n_bootstrap: int = 1000, seed: int = 42,
+                       replace: bool = True) -> dict:
+    """The tests' reference for verl's process_validation_metrics and its naming, in one process, built
+    from the module's prompt_metrics and metric_key: the tests here check it against validation_loop,
+    tests/test_parts.py checks validate's numbers against it. One entry per response: data_sources, uids
+    (the prompt of each response), infos {variable: numbers} (e.g. {"acc": ...}), answers (extracted
+    answers, for maj@k) or None. Returns {full metric name: mean over prompts}."""
+    rows = defaultdict(list)  # (source, uid) -> its responses, in order
+    for i, key in enumerate(zip(data_sources, uids)):
+        rows[key].append(i)
+    per_prompt = defaultdict(lambda: defaultdict(list))  # (source, var) -> name -> one value per prompt
+    for (src, _), members in rows.items():
+        votes = None if answers is None else [answers[i] for i in members]
+        for var, values in infos.items():
+            for name, v in prompt_metrics([values[i] for i in members], votes, n_bootstrap, seed, replace).items():
+                per_prompt[src, var][name].append(v)
+    out = {}
+    for (src, var), by_name in per_prompt.items():
+        core_var = "acc" if "acc" in infos else "reward"
+        n_max = max(int(name.split("@")[1].split("/")[0]) for name in by_name)
+        for name, vals in by_name.items():
+            out[metric_key(src, var, name, n_max, core_var)] = float(np.mean(vals))
     return out
 
 
@@ -224,3 +250,29 @@ def test_majority_matches_binomial_closed_form(seed, n, c):
         pmf = [math.comb(k, j) * p ** j * (1 - p) ** (k - j) for j in range(k + 1)]
         q = math.fsum(pmf[j] for j in range(k + 1) if 2 * j > k) + (0.5 * pmf[k // 2] if k % 2 == 0 else 0.0)
         assert abs(got[f"maj@{k}/mean"] - q) <= MC_TOL * math.sqrt(q * (1 - q) / B), k
+
+
+def test_source_metrics_is_verls_process_validation_metrics_from_per_prompt_numbers():
+    """What validate averages (scoring.py): per-prompt prompt_metrics of every variable, then
+    source_metrics; the same names and numbers as the reference loop over responses, for two sources
+    (given unsorted), several variables (acc core, the rest val-aux), and maj@k from answers."""
+    from nanokl.harness.val_metrics import source_metrics
+    rng = random.Random(5)
+    n, sources, uids, infos, answers = 4, [], [], {"acc": [], "reward": [], "length": []}, []
+    prompts = []
+    for p in range(7):
+        src = "zeta" if p % 3 else "alpha"
+        acc = [float(rng.random() < 0.5) for _ in range(n)]
+        values = {"acc": acc, "reward": [2 * a - 1 for a in acc], "length": [float(rng.randint(1, 30)) for _ in range(n)]}
+        votes = [rng.choice("ab") for _ in range(n)]
+        prompts.append((src, {var: prompt_metrics(v, votes) for var, v in values.items()}))
+        sources += [src] * n
+        uids += [p] * n
+        answers += votes
+        for var, v in values.items():
+            infos[var] += v
+    got, want = source_metrics(prompts), validation_metrics(sources, uids, infos, answers)
+    assert list(got) == sorted(got, key=lambda k: k.split("/")[1] != "alpha")  # sources sorted
+    assert set(got) == set(want) and all(got[k] == pytest.approx(want[k], abs=1e-12) for k in want)
+    assert "val-core/zeta/acc/maj@4/mean" in got and "val-aux/zeta/reward/maj@4/mean" in got
+    assert "val-aux/alpha/length/best@4/mean" in got and not any(k.startswith("val-core/alpha/length") for k in got)

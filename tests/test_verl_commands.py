@@ -20,11 +20,10 @@ import torch
 
 import train_ppo
 from chat_templates import LLAMA3_1, QWEN2_5
-from nanokl.harness.data import write_rows
 from nanokl.harness.hf_format import save_pretrained
 from nanokl.harness.tracking import read_metrics
 from nanokl.model import CausalLM, ModelConfig, init_weights
-from nanokl.tasks.gsm8k import verl_row
+from verl_data import verl_row, write_rows
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")

@@ -19,11 +19,20 @@ The data position needs no file: batches are a pure function of (seed, step) (na
 With all of it restored, "4 steps straight" and "2 steps, stop, resume, 2 steps" produce
 bit-identical weights on CPU (tests/test_train_ppo.py proves it).
 
+Layout (verl's). Checkpoint N is `<trainer.default_local_dir>/global_step_N/` (actor/ and critic/
+inside it, as verl's), and `<trainer.default_local_dir>/latest_checkpointed_iteration.txt` holds N,
+the step of the last one committed (verl's tracker file: its `find_latest_ckpt_path` reads it), so
+verl's `trainer.resume_mode=resume_path trainer.resume_from_path=<dir>/global_step_N` works as
+written. nanokl before this wrote `<dir>/checkpoints/global_step_N/` (LEGACY_ROOT); those still
+resume (auto finds them, resume_from_path takes them), rotate and are set aside with the new ones,
+and the next checkpoint goes to verl's layout.
+
 Atomicity. A checkpoint is written into `global_step_N.tmp`, then renamed to `global_step_N`,
-and only then is the pointer file `latest_checkpointed_iteration.txt` (verl's name) replaced, by
-writing a temporary file and `os.replace`-ing it: a rename within one file system is atomic, so a
-crash at any moment leaves either the old checkpoint or the new one, never half of one. Loading
-follows the pointer; leftover `.tmp` directories are ignored and cleaned on the next save.
+and only then is the tracker file `latest_checkpointed_iteration.txt` replaced, by writing a
+temporary file and `os.replace`-ing it (verl writes it after the checkpoint is complete too): a
+rename within one file system is atomic, so a crash at any moment leaves either the old checkpoint
+or the new one, never half of one, and the tracker only ever names a committed one. Loading
+follows the tracker; leftover `.tmp` directories are ignored and cleaned on the next save.
 
 Verification. The last file written before the rename is `manifest.json`: every other file's size
 and SHA-256. `latest_checkpoint` resumes from the newest checkpoint that still matches its manifest
@@ -49,7 +58,8 @@ from nanokl.harness.config_io import UserError
 from nanokl.harness.faults import checkpoint_bytes
 from nanokl.harness.hf_format import save_pretrained
 
-POINTER = "latest_checkpointed_iteration.txt"
+POINTER = "latest_checkpointed_iteration.txt"  # verl's tracker file (get_checkpoint_tracker_filename)
+LEGACY_ROOT = "checkpoints"  # where nanokl kept them before verl's layout: <dir>/checkpoints/global_step_N
 MANIFEST = "manifest.json"
 RECORD = "run.json"  # what the run was started with (model, tokenizer, shapes, config): read_record
 
@@ -120,7 +130,8 @@ class CheckpointWriteError(Exception):
 
 def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_state: dict, tokenizer=None,
                     keep=None, record: dict | None = None, before_commit=None) -> Path:
-    """Write checkpoint `global_step_{step}` atomically; keep only the newest `keep` if given.
+    """Write checkpoint `<run_dir>/global_step_{step}` atomically, then the tracker file naming it; keep only
+    the newest `keep` (the old layout's counted with them) if given.
 
     models: name -> module, or name -> (module, full state dict) when the weights were gathered
     from shards (saved HF-format under name/); optim_state: name -> state_dict; trainer_state:
@@ -130,9 +141,9 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
     row there, so that no checkpoint exists without its row). Raises CheckpointWriteError,
     with nothing of the new checkpoint left on disk, when the free space is short of its size or
     the write fails."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"
+    final, tmp = root / f"global_step_{step}", root / f"global_step_{step}.tmp"  # verl's layout, always
     if tmp.exists():
         shutil.rmtree(tmp)
     models = {k: m if isinstance(m, tuple) else (m, None) for k, m in models.items()}
@@ -162,18 +173,42 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
     if final.exists():  # re-saving the same step (e.g. after a rollback): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
-    ptr_tmp = root / (POINTER + ".tmp")
+    ptr_tmp = root / (POINTER + ".tmp")  # the tracker names committed checkpoints only: after the rename
     ptr_tmp.write_text(str(step))
     os.replace(ptr_tmp, root / POINTER)
-    for stale in root.glob("global_step_*.tmp"):  # debris of an earlier crash
-        shutil.rmtree(stale, ignore_errors=True)
+    legacy = root / LEGACY_ROOT
+    if (legacy / final.name).is_dir():  # the same step in the old layout (a re-save after a rollback): superseded
+        shutil.rmtree(legacy / final.name, ignore_errors=True)
+    for where in (root, legacy):
+        for stale in where.glob("global_step_*.tmp"):  # debris of an earlier crash
+            shutil.rmtree(stale, ignore_errors=True)
     # never delete the last good one for a bad one. The manifest was hashed from the files on disk a
     # moment ago: its presence is the check, without reading gigabytes of weights a second time
     if keep and (final / MANIFEST).is_file():
-        done = sorted((p for p in root.glob("global_step_*") if p.suffix != ".tmp"), key=_step_of)
-        for old in done[:-keep]:
+        for old in sorted(committed(root), key=_step_of)[:-keep]:  # both layouts: the oldest go first
             shutil.rmtree(old, ignore_errors=True)
+    if legacy.is_dir() and not committed(legacy, legacy_too=False):  # the old layout's last one rotated out
+        (legacy / POINTER).unlink(missing_ok=True)
+        try:
+            legacy.rmdir()  # only when nothing else is left in it
+        except OSError:
+            pass
     return final
+
+
+def checkpoint_dir(run_dir, step) -> Path:
+    """Where checkpoint `step` of the run in `run_dir` is: verl's `<dir>/global_step_N`, or the old layout's
+    `<dir>/checkpoints/global_step_N` when only that one exists (written before verl's layout)."""
+    new, old = Path(run_dir) / f"global_step_{step}", Path(run_dir) / LEGACY_ROOT / f"global_step_{step}"
+    return old if not new.is_dir() and old.is_dir() else new
+
+
+def committed(run_dir, legacy_too=True) -> list[Path]:
+    """The committed checkpoint directories of the run in `run_dir` (no .tmp), in verl's layout and, with
+    legacy_too, in the old `checkpoints/` one; unordered."""
+    roots = [Path(run_dir)] + ([Path(run_dir) / LEGACY_ROOT] if legacy_too else [])
+    return [p for root in roots for p in root.glob("global_step_*")
+            if p.is_dir() and p.suffix != ".tmp" and _step_of(p) >= 0]
 
 
 def _step_of(path) -> int:
@@ -185,19 +220,19 @@ def _step_of(path) -> int:
 
 def latest_checkpoint(run_dir, warn=True) -> Path | None:
     """The newest checkpoint that verifies against its manifest, or None when there is none: the
-    pointer file's first, then the others newest first. Each one skipped is named, with its bad file,
-    in a one-line warning."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = sorted((p for p in root.glob("global_step_*") if p.is_dir() and p.suffix != ".tmp"), key=_step_of,
-                  reverse=True)
-    ptr = root / POINTER
-    try:
-        named = root / f"global_step_{int(ptr.read_text().strip())}"
-        done = sorted(done, key=lambda p: p != named)  # the pointer's target first (a stable sort)
-    except (OSError, ValueError):
-        pass
+    tracker file's first (verl's `<dir>/latest_checkpointed_iteration.txt`; the old layout's
+    `<dir>/checkpoints/` one when verl's is absent), then the others newest first, over both layouts
+    (verl's before the old one's at the same step). Each one skipped is named, with its bad file, in a
+    one-line warning."""
+    root = Path(run_dir)
+    done = sorted(committed(root), key=lambda p: (_step_of(p), p.parent == root), reverse=True)
+    for where in (root, root / LEGACY_ROOT):
+        try:
+            named = where / f"global_step_{int((where / POINTER).read_text().strip())}"
+        except (OSError, ValueError):
+            continue
+        done = sorted(done, key=lambda p: p != named)  # the tracker's target first (a stable sort)
+        break  # verl's tracker, when there is one, is the newer
     legacy = None  # written before checkpoints had manifests: used, unverified, only if nothing verifies
     for path in done:
         problem = verify_checkpoint(path)

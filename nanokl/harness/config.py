@@ -10,19 +10,24 @@ defaults; the runnable settings live in YAML files under `configs/`:
     configs/presets/conservative.yaml  arith_tiny with a tighter KL target
     configs/presets/aggressive.yaml    arith_tiny with a looser KL target
 
-`python train_ppo.py` alone starts from configs/arith_tiny.yaml; a verl command (data.train_files
-given, no --config) from the dataclass defaults, i.e. verl's (`parse_cli`). verl keys for machinery
-nanokl does not have sit in `config_verl.py` (each section's base class there), and the nanokl-only
-sections (KL monitor, warm start, reward-model training) in `config_nanokl.py`.
-
-Loading a config is four steps (the machinery is in `config_io.py`):
+This file holds the dataclasses only. verl keys for machinery nanokl does not have sit in
+`config_verl.py` (each section's base class there), and the nanokl-only sections (KL monitor,
+warm start, reward-model training, the KL loss's controller, the KL probe) in `config_nanokl.py`.
+Reading, checking and printing a config are the jobs of the other config_*.py files, none of
+which this one imports:
 
     cfg = load_config("configs/presets/conservative.yaml", ["algorithm.kl_ctrl.target_kl=0.02"])
       1. YAML files, following `defaults:` chains, deep-merged        (config_io.load_yaml_chain)
-      2. `key.sub=value` overrides on top                             (config_io.apply_override)
-      3. keys and types checked against the dataclasses below         (config_io.build)
+      2. `key.sub=value` overrides on top (Hydra's +key, ++key, ~key too), then `${a.b}` resolved
+                                                                       (config_io.apply_override, interpolate)
+      3. keys and types checked against the dataclasses below         (config_build.build)
       4. `resolve`: None -> derived defaults, then `validate`: impossible values rejected
                                                                        (config_rules.py)
+    load_config, parse_cli (the command line), save_config            (config_load.py)
+    the start-up notes on verl keys nanokl handles otherwise         (config_notes.py)
+
+`python train_ppo.py` alone starts from configs/arith_tiny.yaml; a verl command (data.train_files
+given, no --config) from the dataclass defaults, i.e. verl's (config_load.parse_cli).
 
 Derived defaults. In verl, `clip_ratio_low: ${actor.clip_ratio}`-style interpolations fill
 some keys from others. Here such a key is `Optional` with a `None` default, and `resolve`
@@ -39,25 +44,12 @@ names the dotted key and, when a file or argument set it, where: tests/test_conf
 each kind against the files themselves.
 """
 
-import dataclasses
-import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar, Literal, Optional, Union
 
-import yaml
-
-from nanokl.harness.config_io import (ConfigError, UserError, all_keys, apply_override, build,  # noqa: F401
-                                     load_yaml_chain, run_cli, to_dict)
-from nanokl.harness.config_nanokl import AdjustRule, KLMonitorConfig, RewardModelTrainConfig, SFTConfig  # noqa: F401
+from nanokl.harness.config_nanokl import (KLLossCtrlConfig, KLMonitorConfig, KLProbeConfig, RewardModelTrainConfig,
+                                         SFTConfig)
 from nanokl.harness.config_verl import *  # noqa: F403 (the Verl*Keys bases, FSDPConfig, ...: config_verl.__all__)
-from nanokl.harness.config_rules import resolve, validate
-
-__all__ = ["Config", "ConfigError", "UserError", "run_cli", "load_config", "parse_cli", "resolve",
-           "validate", "config_to_dict", "save_config", "DEFAULT_CONFIG"]
-
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml"
 
 # Names owned by a lesson module (a KL estimator, a loss aggregation, an advantage estimator, a
 # task) are typed `str` here; config_rules.validate checks them against the owner's list.
@@ -74,6 +66,8 @@ class DataConfig(VerlDataKeys):
     max_prompt_length: int = 512  # longest prompt in tokens; longer ones follow `truncation`
     max_response_length: int = 512  # most tokens generated per response
     train_batch_size: int = 1024  # prompts per PPO step (each sampled rollout.n times)
+    # DAPO's dynamic sampling (algorithm.filter_groups): prompts per generation round; None -> train_batch_size
+    gen_batch_size: Optional[int] = None
     val_batch_size: Optional[int] = None  # prompts per validation batch; None -> train_batch_size
     shuffle: bool = True  # reshuffle the training prompts every epoch
     seed: Optional[int] = None  # shuffling seed; None -> trainer.seed
@@ -151,7 +145,7 @@ class ActorConfig(VerlActorKeys):
     shuffle: bool = False  # reshuffle responses between those passes
     optim: OptimConfig = field(default_factory=OptimConfig)
     # nanokl-only: the KL loss's coefficient kl_loss_coef fixed (verl), or steered toward a target (kl_ctrl.py)
-    kl_loss_ctrl: "KLLossCtrlConfig" = field(default_factory=lambda: KLLossCtrlConfig())
+    kl_loss_ctrl: KLLossCtrlConfig = field(default_factory=KLLossCtrlConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (offload: nanokl/dist.py)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # verl's policy-loss choice: vanilla
 
@@ -246,8 +240,11 @@ class RewardModelConfig(VerlRewardModelKeys):
     max_length: Optional[int] = None  # PPO scoring: the RM sees each sequence's last this-many tokens; None: all
     missing_eos_penalty: float = 0.0  # subtracted from the score of a response cut off before its EOS
     score_method: Literal["strict", "flexible"] = "strict"  # GSM8K: last '#### N' (strict) or last number
-    reward_manager: str = "naive"  # verl's: naive (one score per response); prime: the same scores (noted); others refused
+    # verl's: naive (one score per response); prime: the same scores (noted); dapo: the same, + reward_kwargs' overlong
+    # penalty; others refused
+    reward_manager: str = "naive"
     overlong_buffer: "OverlongBufferConfig" = field(default_factory=lambda: OverlongBufferConfig())
+    reward_kwargs: "RewardKwargsConfig" = field(default_factory=lambda: RewardKwargsConfig())  # dapo's arguments
 
 
 @dataclass
@@ -258,6 +255,14 @@ class OverlongBufferConfig:
     len: int = 0  # the buffer: the last this-many tokens before data.max_response_length, in (0, max_response_length]
     penalty_factor: float = 0.0  # the penalty at the limit (DAPO: 1.0)
     log: bool = False  # verl: log each response's penalty; nanokl logs critic/overlong_penalty/* whenever enabled
+
+
+@dataclass
+class RewardKwargsConfig:
+    """verl's reward_model.reward_kwargs, its dapo reward manager's arguments (verl's GSPO example and DAPO's
+    test_dapo_7b_math.sh pass them with +): overlong_buffer_cfg becomes reward_model.overlong_buffer (resolve)."""
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    max_resp_len: Optional[int] = None  # where the buffer ends: actor_rollout_ref.rollout.response_length (null: it)
 
 
 @dataclass
@@ -272,15 +277,6 @@ class KLCtrlConfig:
     ki: float = 0.3  # pi (nanokl-only): weight of the integral of the error in beta's rate (kl_ctrl.py)
     integral_limit: float = 1.0  # pi (nanokl-only): anti-windup, 0 <= integral <= this (in horizons x error)
     hold: int = 0  # adaptive, pi (nanokl-only): beta waits up to this many steps for the KL to first reach target
-
-
-@dataclass
-class KLLossCtrlConfig:
-    """nanokl-only: actor.kl_loss_coef fixed (verl), or steered toward target_kl by the KL loss's mean (kl_ctrl.py)."""
-    type: Literal["fixed", "adaptive"] = "fixed"  # adaptive: the coefficient starts at kl_loss_coef and moves
-    horizon: int = 10000  # responses over which the coefficient may move by ~20%
-    target_kl: Union[float, list[list[float]]] = 0.1  # per-token KL loss (actor/kl_loss) to steer toward, or a schedule
-    target_kl_interp: Literal["step", "linear"] = "step"  # a schedule: piecewise constant, or linear between points
 
 
 @dataclass
@@ -311,17 +307,6 @@ class FilterGroupsConfig:
     enable: bool = False
     metric: Optional[str] = None  # acc (the rule's score, unshaped) | score (the reward) | seq_reward (its token sum)
     max_num_gen_batches: int = 0  # generation batches a step may sample; <= 0: no limit (verl's convention)
-
-
-@dataclass
-class KLProbeConfig:
-    """nanokl-only: the on-policy KL probe (nanokl/kl_probe.py). Every `every` steps the policy samples
-    `prompts` of the step's training prompts; the reward's KL controller and the KL monitor then read the
-    step's KL estimate plus the smoothed gap probe - estimate (meant for offline runs: data.offline_files)."""
-    enable: bool = False
-    every: int = 1  # probe every this many steps (the gap is held in between)
-    prompts: int = 16  # prompts sampled per probe, one response each (at most data.train_batch_size)
-    ema: float = 0.3  # alpha: the weight of the newest gap in its moving average, in (0, 1]
 
 
 @dataclass
@@ -370,6 +355,7 @@ class TrainerConfig(VerlTrainerKeys):
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     seed: int = 42  # seeds torch, numpy and python's random
     log_freq: int = 1  # print/log metrics every this many steps
+    profile_steps: Optional[list[int]] = None  # verl's older global_profiler.steps (that wins): steps traced (harness/profile.py)
     # nanokl-only: held-out prompts sampled at each validation for the on-policy KL (val-aux/kl_on_policy), the
     # check on offline runs' importance-weighted estimate (harness/scoring.py); 0: off
     val_kl_prompts: int = 0
@@ -391,70 +377,9 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
-    # verl's sections for machinery nanokl does not have (accepted with a note: config_rules.VERL_NOTES)
+    # verl's sections for machinery nanokl does not have (accepted with a note: config_notes.VERL_NOTES)
     reward_manager: dict = verl_section(source="register", name="naive")  # verl's newer home of reward_model.reward_manager
     global_profiler: dict = verl_section(tool=None)
     transfer_queue: dict = verl_section(enable=False)
     ray_kwargs: dict = verl_section(ray_init={"num_cpus": None})
     ray_init: dict = verl_section(num_cpus=None)  # verl's older name of ray_kwargs.ray_init
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading, the command line, saving
-# ---------------------------------------------------------------------------------------------
-
-def load_config(path=None, overrides=()) -> Config:
-    """YAML file `path` (None: the dataclass defaults) + `key=value` overrides -> resolved Config."""
-    tree, origins = ({}, {}) if path is None else load_yaml_chain(str(path))
-    try:
-        for arg in overrides:
-            apply_override(tree, origins, arg)
-        return validate(resolve(build(Config, tree, universe=all_keys(Config))))
-    except ConfigError as e:
-        raise e.locate(origins) from None
-
-
-USAGE = "usage: [--config PATH] [key.sub=value ...]   e.g. algorithm.kl_ctrl.target_kl=0.03"
-
-
-def parse_cli(argv=None, default_path=DEFAULT_CONFIG) -> Config:
-    """`--config PATH` and `key.sub=value` overrides -> Config. Without --config the base is verl's
-    defaults when the overrides give data.train_files (a verl command), else `default_path` (the CPU
-    demo's configs/arith_tiny.yaml); one line says which (config_verl.choose_base)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    path, overrides, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(USAGE + "\nsections: " + ", ".join(f.name for f in dataclasses.fields(Config)))
-            sys.exit(0)
-        if arg in ("--config", "-c"):
-            if i + 1 == len(argv):
-                raise ConfigError(f"{arg} needs a path; {USAGE}")
-            path, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg.startswith("-"):
-            raise ConfigError(f"unknown option {arg!r}; {USAGE}")
-        else:
-            overrides.append(arg)
-        i += 1
-    path, base = choose_base(path, overrides, default_path)
-    cfg = load_config(path, overrides)
-    if os.environ.get("RANK", "0") == "0":
-        print(f"config: {base}")
-    return cfg
-
-
-def config_to_dict(cfg: Config) -> dict:
-    """The config as plain dicts, lists and scalars (what save_config writes, what loggers record)."""
-    return to_dict(cfg)
-
-
-def save_config(cfg: Config, path) -> None:
-    """Write `cfg` as YAML; `load_config(path)` gives back an equal Config."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("# nanokl config, resolved (written by nanokl.harness.config.save_config)\n")
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=None)

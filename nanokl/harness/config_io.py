@@ -1,24 +1,21 @@
-"""From YAML files and `key=value` arguments to a typed dataclass, with one-line errors.
+"""From YAML files and `key=value` arguments to one merged tree of values, with one-line errors.
 
-`config.py` says *what* the knobs are; this file says *how* text becomes those knobs. It knows
-nothing about PPO: every function here works on any tree of dataclasses.
+`config.py` says *what* the knobs are; this file says *how* text becomes a tree of plain values
+(dicts, lists, scalars), and `config_build.py` how that tree becomes the typed dataclasses. It
+knows nothing about PPO: every function here works on any nesting of mappings.
 
-The pipeline, in the order `config.load_config` runs it:
+The first two steps of `config_load.load_config`:
 
 1. `load_yaml_chain(path)` reads a YAML file. A top-level `defaults: [a.yaml, b.yaml]` list
    names files (relative to this one) to load first; later entries override earlier ones and
    the file itself overrides them all. Mappings are deep-merged, anything else (lists
    included) is replaced whole. A file that reaches itself again is a cycle and an error.
+   An empty file (nothing, or only comments) is refused, naming it: it would run the defaults.
 2. `apply_override(tree, origins, "a.b.c=value")` merges one command-line argument on top.
    The value is parsed by `yaml.safe_load`, so `0.03`, `true`, `null`, `[console,wandb]` all
-   mean what they would mean in a file.
-3. `build(cls, tree, ...)` turns the merged dict into dataclasses, checking every key and
-   type against the annotations: an unknown key names the closest valid ones, a wrong type
-   names the expected type. The few coercions are the ones that cannot surprise anybody:
-   int -> float, a list -> a tuple field, and a string that spells a float -> float, because
-   PyYAML follows YAML 1.1, in which `1e-6` (no dot) is a *string*. An infinite or NaN value
-   (`.inf`, `.nan`, `inf`) is refused for every float key, whatever the key: none means it.
-   An empty file (nothing, or only comments) is refused too, naming it: it would run the defaults.
+   mean what they would mean in a file. Hydra's prefixes as verl's scripts write them: `+a.b=v`
+   adds a key not set yet, `++a.b=v` sets it, `~a.b` deletes it (its default again).
+3. `interpolate(tree, defaults)` then replaces each `${a.b}` by that key's merged value.
 
 Along the way we keep `origins`, a dict from dotted key to where it was last set
 ("configs/arith_tiny.yaml:12" or "argument 'a.b=1'"). Line numbers come from `yaml.compose`,
@@ -32,14 +29,12 @@ traceback, because a typo in a config is the user's to fix, not a bug to debug.
 """
 
 import copy
-import dataclasses
 import difflib
-import math
+import functools
 import os
+import re
 import sys
-import types
-import typing
-from typing import Any, Literal, Union
+from typing import Any
 
 import yaml
 
@@ -65,7 +60,8 @@ class ConfigError(UserError, ValueError):
         """Fill `where` from whichever of our keys was set last (origins is in setting order)."""
         if self.where is None:
             order = {key: i for i, key in enumerate(origins)}
-            bases = [k.split("[")[0] for k in self.keys]  # "trainer.logger[1]" was set as "trainer.logger"
+            # "trainer.logger[1]" was set as "trainer.logger" (a key may hold a "[" itself: a typo)
+            bases = [k if k in origins else k.split("[")[0] for k in self.keys]
             bases = [k for k in bases if k in origins]
             if bases:
                 self.where = origins[max(bases, key=order.get)]
@@ -73,10 +69,6 @@ class ConfigError(UserError, ValueError):
 
     def __str__(self):
         return f"{self.where}: {self.message}" if self.where else self.message
-
-
-class NotFinite(ConfigError):
-    """An infinite or NaN value for a float key (refused for every one of them, by `coerce`)."""
 
 
 def run_cli(main, *args, **kwargs):
@@ -202,34 +194,88 @@ def merge_into(dst: dict, dst_origins: dict, src: dict, src_origins: dict, prefi
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Command-line overrides: a.b.c=value
+# 2. Command-line overrides: a.b.c=value, and Hydra's +a.b=value, ++a.b=value, ~a.b
 # ---------------------------------------------------------------------------------------------
 
-def parse_override(arg: str) -> tuple[list[str], Any]:
-    """'algorithm.kl_ctrl.target_kl=0.03' -> (['algorithm', 'kl_ctrl', 'target_kl'], 0.03)."""
+def parse_override(arg: str) -> tuple[str, list[str], Any]:
+    """'+algorithm.kl_ctrl.target_kl=0.03' -> ('+', ['algorithm', 'kl_ctrl', 'target_kl'], 0.03).
+
+    The prefix is Hydra's: '' or '++' set the key, '+' adds one that is not yet set, '~' deletes
+    (`~a.b`, or `~a.b=value`: only if that is its value; the value is then the one to match, else _ANY)."""
     key, sep, text = arg.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not all(parts):
-        raise ConfigError(f"bad override {arg!r}: expected key.sub=value, "
-                          f"e.g. algorithm.kl_ctrl.target_kl=0.03")
+    key = key.strip()
+    prefix = next((p for p in ("++", "+", "~") if key.startswith(p)), "")
+    parts = key[len(prefix):].split(".")
+    if not all(parts) or not (sep or prefix == "~"):
+        raise ConfigError(f"bad override {arg!r}: expected key.sub=value (or Hydra's +key=value, ++key=value, "
+                          f"~key), e.g. algorithm.kl_ctrl.target_kl=0.03")
+    if prefix == "~" and not text.strip():
+        return prefix, parts, _ANY
     try:
         value = yaml.load(text, Loader=_SafeLoader)
     except (yaml.YAMLError, RecursionError) as e:
         problem = getattr(e, "problem", None) or "not valid YAML"
         raise ConfigError(f"bad override {arg!r}: cannot parse the value {text!r} ({problem})") from None
-    return parts, value
+    return prefix, parts, value
 
 
-def apply_override(tree: dict, origins: dict, arg: str) -> None:
-    """Merge one `key=value` argument into `tree`, as if it were a one-key YAML file on top."""
-    parts, value = parse_override(arg)
+_ANY = object()  # `~key` with no value: delete whatever the key holds
+_MISSING = object()
+
+
+def _find(tree, parts):
+    """The value at `parts` in a tree of dicts (and lists, by index), or _MISSING."""
+    for p in parts:
+        if isinstance(tree, dict) and p in tree:
+            tree = tree[p]
+        elif isinstance(tree, list) and p.isdigit() and int(p) < len(tree):
+            tree = tree[int(p)]
+        else:
+            return _MISSING
+    return tree
+
+
+def _dotted(tree, prefix=""):
+    for k, v in tree.items():
+        yield prefix + str(k)
+        if isinstance(v, dict):
+            yield from _dotted(v, f"{prefix}{k}.")
+
+
+def apply_override(tree: dict, origins: dict, arg: str, defaults: dict | None = None) -> None:
+    """Merge one `key=value` argument into `tree`, as if it were a one-key YAML file on top.
+
+    Hydra's prefixes: `+key=value` adds a key the files and earlier arguments have not set (set
+    already: refused, naming where); `++key=value` is `key=value`; `~key` deletes the key from the
+    tree, so it takes its default again (`~key=value`: only if its value is that one). `defaults`,
+    the tree of default values, lets `~` check the key exists and, when the tree lacks it, its value."""
+    prefix, parts, value = parse_override(arg)
+    key, where = ".".join(parts), f"argument {arg!r}"
+    current = _find(tree, parts)
+    if prefix == "+" and current is not _MISSING:
+        raise ConfigError(f"+{key} adds a key that is not set yet, but {key} is already set"
+                          f"{' at ' + origins[key] if key in origins else ''}: write {key}=... or ++{key}=... to "
+                          f"override it", keys=key, where=where)
+    if prefix == "~":
+        held = current if current is not _MISSING else _MISSING if defaults is None else _find(defaults, parts)
+        if held is _MISSING and defaults is not None:
+            near = difflib.get_close_matches(key, list(_dotted(defaults)), n=2, cutoff=0.75)
+            hint = "; did you mean " + " or ".join(near) + "?" if near else ""
+            raise ConfigError(f"~{key}: no such key to delete{hint}", keys=key, where=where)
+        if value is not _ANY and held is not _MISSING and held != value:
+            raise ConfigError(f"~{key}={value!r}: {key} is {held!r}, not {value!r} (nothing deleted)", keys=key,
+                              where=where)
+        if current is not _MISSING and isinstance(_find(tree, parts[:-1]), dict):
+            del _find(tree, parts[:-1])[parts[-1]]
+            for p in [p for p in origins if p == key or p.startswith(key + ".")]:
+                del origins[p]
+        return
     layer = value
     for p in reversed(parts):
         layer = {p: layer}
-    where = f"argument {arg!r}"
     layer_origins = {".".join(parts[:i + 1]): where for i in range(len(parts))}
     if isinstance(value, dict):  # a mapping value: every key inside it came from this argument too
-        _record_dict_keys(value, ".".join(parts) + ".", where, layer_origins)
+        _record_dict_keys(value, key + ".", where, layer_origins)
     merge_into(tree, origins, layer, layer_origins)
 
 
@@ -244,179 +290,68 @@ def _record_dict_keys(d: dict, prefix: str, where: str, out: dict, _inside: tupl
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. dict -> dataclasses, checking keys and types against the annotations
+# 3. ${a.b} interpolation, resolved once the files and arguments are merged
 # ---------------------------------------------------------------------------------------------
 
-def all_keys(cls, prefix: str = "") -> list[str]:
-    """Every dotted key of a dataclass tree, sections included: the universe for suggestions."""
-    keys, hints = [], typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        keys.append(prefix + f.name)
-        if dataclasses.is_dataclass(tp):
-            keys += all_keys(tp, prefix + f.name + ".")
-    return keys
+_REF = re.compile(r"(?<!\\)\$\{([^{}]*)\}")
 
 
-def build(cls, data: dict, prefix: str = "", universe: list[str] | None = None):
-    """Construct dataclass `cls` from `data`; keys not in `data` keep their defaults.
+def interpolate(tree: dict, defaults: dict) -> None:
+    """Replace, in place, each `${a.b}` in the tree's strings by the value of key a.b in the merged
+    config: `tree` over `defaults` (the tree of default values), whichever file or argument set it
+    and in whatever order, as OmegaConf does. A string that is exactly one `${a.b}` takes a.b's
+    value with its type (`${data.train_batch_size}` is an int); inside a longer string the value is
+    written out (`ckpt/${trainer.project_name}`). `${.b}` is a sibling, `${..b}` the parent's;
+    `\\${` is a literal `${`. A reference to no key, a cycle, or a resolver (`${oc.env:X}`) is a
+    ConfigError naming the key that holds it."""
+    merged = copy.deepcopy(defaults)
+    merge_into(merged, {}, tree, {})
+    done = {}
 
-    A class may declare `RENAMED = {"old_name": "new_name"}` to accept a key verl renamed."""
-    universe = all_keys(cls) if universe is None else universe
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    data = dict(data)
-    for old, new in getattr(cls, "RENAMED", {}).items():
-        if old in data and data[old] is None:  # verl's own files write the old name as `warmup_style: null`
-            del data[old]
-        if old in data:
-            if new in data:
-                raise ConfigError(f"set only one of {prefix}{old} and {prefix}{new} (same knob, "
-                                  f"{old} is its older verl name)", keys=(prefix + old, prefix + new))
-            data[new] = data.pop(old)
-    for k in data:
-        if k not in names:
-            raise _unknown_key(prefix, str(k), names, universe)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k, v in data.items():
-        f = fields[k]
-        if hasattr(hints[k], "DROPS") and isinstance(v, dict) and f.default_factory is not dataclasses.MISSING:
-            # a section whose default is an instance with its own values (the KL monitor's adjust
-            # rules, which declare DROPS): the keys given override that instance's values, not the
-            # class's defaults
-            base = to_dict(f.default_factory())
-            for given, drop in hints[k].DROPS.items():  # e.g. a value replaces a default factor
-                if given in v:
-                    for d in drop:
-                        base.pop(d, None)
-            data[k] = {**base, **v}
-    kwargs = {k: coerce(v, hints[k], prefix + k, universe) for k, v in data.items()}
-    return cls(**kwargs)
+    def value_of(key, stack):
+        if key in stack:
+            raise ConfigError(f"interpolation cycle: {' -> '.join(stack + (key,))}", keys=stack[:1])
+        if key not in done:
+            value = _find(merged, key.split("."))
+            if value is _MISSING:
+                raise ConfigError(f"{stack[-1]}: ${{{key}}} refers to no key", keys=stack[:1])
+            done[key] = resolved(value, key, stack + (key,))
+        return done[key]
 
-
-def _unknown_key(prefix: str, name: str, siblings: list[str], universe: list[str]) -> ConfigError:
-    key = prefix + name
-    # Closest siblings first (a typo), then the same or a similar name elsewhere (a key put in
-    # the wrong section), then whole-path look-alikes.
-    near = [prefix + s for s in difflib.get_close_matches(name, siblings, n=3, cutoff=0.6)]
-    leaves = {}
-    for path in universe:
-        leaves.setdefault(path.rsplit(".", 1)[-1], []).append(path)
-    near += leaves.get(name, [])
-    for leaf in difflib.get_close_matches(name, list(leaves), n=3, cutoff=0.75):
-        near += leaves[leaf]
-    elsewhere = [p for p in universe if not p.startswith(prefix)]  # siblings were matched above
-    near += difflib.get_close_matches(key, elsewhere, n=3, cutoff=0.85)
-    near = [p for p in dict.fromkeys(near) if p != key and not key.startswith(p + ".")][:4]
-    if near:
-        hint = "did you mean " + " or ".join(near) + "?"
-    else:
-        hint = f"valid keys in {prefix.rstrip('.') or 'the top level'}: {', '.join(siblings)}"
-    return ConfigError(f"unknown key '{key}'; {hint}", keys=key)
-
-
-def coerce(value, tp, key: str, universe: list[str] | None = None):
-    """Check `value` against annotation `tp` (converting the few safe cases); else ConfigError."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} is a section; expected a mapping of its keys, got {_show(value)}",
-                              keys=key)
-        return build(tp, value, key + ".", universe)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arm in args:
-            if arm is not type(None):
-                try:
-                    return coerce(value, arm, key, universe)
-                except NotFinite:
-                    raise  # the arm that took the number says why it is refused
-                except ConfigError as e:
-                    if _same_kind(value, arm) and any(typing.get_origin(a) in (list, tuple) for a in args):
-                        raise  # a name-or-list key (trainer.logger): the matching arm's error names the bad item
-        raise ConfigError(f"{key} expects {type_name(tp)}, got {_show(value)}", keys=key)
-    if origin is Literal:
-        if any(type(value) is type(a) and value == a for a in args):
+    def resolved(value, key, stack, inside=()):
+        if isinstance(value, (dict, list)) and not any(value is v for v in inside):  # (`&r [*r]`: build refuses it)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            out = {k: resolved(v, f"{key}.{k}", stack, inside + (value,)) for k, v in items}
+            return out if isinstance(value, dict) else list(out.values())
+        if not isinstance(value, str) or "${" not in value:
             return value
-        raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}; got {_show(value)}", keys=key)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key} expects {type_name(tp)}, got {_show(value)}", keys=key)
-        if origin is list:
-            return [coerce(v, args[0], f"{key}[{i}]", universe) for i, v in enumerate(value)]
-        if len(value) != len(args):
-            raise ConfigError(f"{key} expects a list of {len(args)} values, got {_show(value)}", keys=key)
-        return tuple(coerce(v, a, f"{key}[{i}]", universe) for i, (v, a) in enumerate(zip(value, args)))
-    if tp is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} expects a mapping, got {_show(value)}", keys=key)
-        return copy.deepcopy(value)
-    if tp is bool and isinstance(value, bool):
-        return value
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):  # True is not 1 here
-        return value
-    if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except OverflowError:  # an int past float's range (~1.8e308): refused below
-                pass
-        if isinstance(value, str):  # YAML 1.1 reads `1e-6` as a string; take it as the float it spells
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None:
-            if not math.isfinite(number):  # `.inf`, `.nan`, "inf": no knob means it, and each fails steps later
-                raise NotFinite(f"{key} must be a finite number, got {value!r}", keys=key)
-            return number
-    if tp is str and isinstance(value, str):
-        return value
-    hint = " (quote it to make it a string)" if tp is str and isinstance(value, (int, float)) else ""
-    raise ConfigError(f"{key} expects {type_name(tp)}, got {_show(value)}{hint}", keys=key)
+        refs = [(m, target(m.group(1), key, stack)) for m in _REF.finditer(value)]
+        if len(refs) == 1 and refs[0][0].group(0) == value:  # the whole string: the value, typed
+            return copy.deepcopy(value_of(refs[0][1], stack))
+        text = _REF.sub(lambda m: str(value_of(target(m.group(1), key, stack), stack)), value)
+        return text.replace("\\${", "${")
+
+    def target(ref, key, stack):
+        ref = ref.strip()
+        if ":" in ref or not ref.strip("."):
+            why = " (resolvers such as oc.env are not supported: write the value)" if ":" in ref else ""
+            raise ConfigError(f"{key}: ${{{ref}}} is not a key{why}", keys=stack[:1])
+        dots = len(ref) - len(ref.lstrip("."))
+        if dots:  # relative: ${.b} beside this key, ${..b} beside its parent
+            base = key.split(".")[:-dots]
+            ref = ".".join(base + [ref[dots:]])
+        return ref
+
+    def walk(node, prefix, inside=()):
+        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+            key = f"{prefix}{k}" if isinstance(node, dict) else f"{prefix[:-1]}[{k}]"  # as ConfigError.locate reads it
+            if isinstance(v, str) and "${" in v:
+                node[k] = resolved(v, key, (key,))
+            elif isinstance(v, (dict, list)) and not any(v is n for n in inside):
+                walk(v, key + ".", inside + (node,))
+    walk(tree, "")
 
 
-def _same_kind(value, arm) -> bool:
-    """Is `value` the kind of thing union arm `arm` holds (a list for a list, a name for a Literal of names)?"""
-    origin = typing.get_origin(arm)
-    if origin in (list, tuple):
-        return isinstance(value, (list, tuple))
-    return origin is Literal and isinstance(value, str) and all(isinstance(a, str) for a in typing.get_args(arm))
-
-
-def type_name(tp) -> str:
-    """A short human name for an annotation: 'int', 'float or null', 'list of str'."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else type_name(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(map(str, args))
-    if origin is list:
-        return f"a list of {type_name(args[0])}"
-    if origin is tuple:
-        return f"a list of {len(args)} {type_name(args[0])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _show(value) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's 4300-digit limit on int -> str (YAML reads any length)
-        text = f"<an integer of {value.bit_length()} bits>"
-    text = text if len(text) <= 60 else text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def to_dict(obj):
-    """A dataclass tree -> plain dicts, lists and scalars, ready for `yaml.safe_dump`."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [to_dict(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
-    return obj
+def get_key(cfg, key: str):
+    """The value at a dotted key ("actor_rollout_ref.actor.ppo_epochs") of a config object."""
+    return functools.reduce(getattr, key.split("."), cfg)

@@ -1,6 +1,7 @@
-"""The nanokl-only config sections that are not verl's: the KL monitor (trainer.kl_monitor; its checks
-and remedies are nanokl/harness/monitor.py), the warm start (sft) and the reward model's training
-(reward_model.train). Split from config.py to keep each file short; config.py re-exports them."""
+"""The nanokl-only config sections, which verl does not have: the KL monitor (trainer.kl_monitor; its
+checks and remedies are nanokl/harness/monitor.py), the warm start (sft), the reward model's training
+(reward_model.train), the KL loss's controller (actor_rollout_ref.actor.kl_loss_ctrl) and the
+on-policy KL probe (algorithm.kl_probe). config.py's sections hold them as fields, at those paths."""
 
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional, Union
@@ -29,9 +30,11 @@ def _rule(knob, factor=None, value=None, limit=None, cooldown=10):
 @dataclass
 class KLMonitorConfig:
     """nanokl-only: the KL health checks of nanokl/harness/monitor.py (the verl KL-tuning checklist), run
-    on each PPO step's metrics. An action is "warn" (log it), "stop" (save and end the run cleanly)
-    or "rollback" (reload the last healthy checkpoint, multiply beta by rollback_beta_factor, go on)."""
-    enable: bool = False  # run the checks each step and log monitor/* metrics
+    on each PPO step's metrics. An action is "warn" (log it), "adjust" (turn a knob), "stop" (save and end
+    the run cleanly) or "rollback" (reload the last healthy checkpoint, multiply beta by rollback_beta_factor,
+    go on). On by default, every action "warn": the checks log and print but change no result; acting is
+    opt-in (a config or the command sets an action)."""
+    enable: bool = True  # run the checks each step and log monitor/* metrics (false: none, and no reference check)
     kl_low: float = 0.02  # healthy band of the mean per-token KL: below it the policy is barely moving
     kl_high: float = 0.08  # above it the policy drifts from the reference faster than beta holds it
     # kl_band's adjust/rollback act only beyond these (the article acts at KL > 0.15 and < 0.01); between a
@@ -51,7 +54,7 @@ class KLMonitorConfig:
     kl_var_action: MonitorAction = "warn"  # when the KL variance check fails
     entropy_action: MonitorAction = "warn"  # when the entropy check fails
     reward_var_action: MonitorAction = "warn"  # when the reward variance check fails
-    kl_stop_action: MonitorAction = "stop"  # when KL > kl_stop for kl_stop_patience steps in a row
+    kl_stop_action: MonitorAction = "warn"  # when KL > kl_stop for kl_stop_patience steps in a row ("stop": early stop)
     collapse_kl: float = 0.15  # collapse: KL above this ...
     collapse_entropy: float = 0.1  # ... while the entropy is below this
     collapse_action: MonitorAction = "warn"
@@ -136,3 +139,23 @@ class SFTConfig:
     num_key_value_heads: int = 2  # key/value heads (grouped-query attention)
     intermediate_size: int = 256  # SwiGLU hidden width
     max_position_embeddings: int = 64  # longest prompt + response the model is built for
+
+
+@dataclass
+class KLLossCtrlConfig:
+    """nanokl-only: actor.kl_loss_coef fixed (verl), or steered toward target_kl by the KL loss's mean (kl_ctrl.py)."""
+    type: Literal["fixed", "adaptive"] = "fixed"  # adaptive: the coefficient starts at kl_loss_coef and moves
+    horizon: int = 10000  # responses over which the coefficient may move by ~20%
+    target_kl: Union[float, list[list[float]]] = 0.1  # per-token KL loss (actor/kl_loss) to steer toward, or a schedule
+    target_kl_interp: Literal["step", "linear"] = "step"  # a schedule: piecewise constant, or linear between points
+
+
+@dataclass
+class KLProbeConfig:
+    """nanokl-only: the on-policy KL probe (nanokl/kl_probe.py). Every `every` steps the policy samples
+    `prompts` of the step's training prompts; the reward's KL controller and the KL monitor then read the
+    step's KL estimate plus the smoothed gap probe - estimate (meant for offline runs: data.offline_files)."""
+    enable: bool = False
+    every: int = 1  # probe every this many steps (the gap is held in between)
+    prompts: int = 16  # prompts sampled per probe, one response each (at most data.train_batch_size)
+    ema: float = 0.3  # alpha: the weight of the newest gap in its moving average, in (0, 1]

@@ -5,17 +5,20 @@
 training code reads `actor.clip_ratio_low` and never re-derives it. `validate` then rejects
 values that are wrong in *every* run (not merely unusual): an infinite or NaN float anywhere,
 non-positive sizes, ratios outside their ranges, mini-batches that do not divide the batch, GRPO
-with one sample per prompt, ...
+with one sample per prompt, ... and, last, the verl values nanokl cannot honour
+(config_verl.check_verl_keys).
 Each rejection is a one-line `ConfigError` naming the dotted key (config_io adds the file and
 line that set it). tests/test_config.py checks every rule against a config that breaks it.
+Both passes read the config only through its attributes: this module imports none of config.py.
 """
 
 import dataclasses
 import difflib
-import functools
 import math
+import os
 
-from nanokl.harness.config_io import ConfigError
+from nanokl.harness.config_io import ConfigError, get_key
+from nanokl.harness.config_verl import check_verl_keys
 from nanokl.harness.monitor import CHECKS, KNOBS
 
 
@@ -23,7 +26,12 @@ def resolve(cfg):
     """Fill every None-means-derived key from the key it derives from (in place; idempotent)."""
     data, arr, critic = cfg.data, cfg.actor_rollout_ref, cfg.critic
     actor, rollout = arr.actor, arr.rollout
+    for key in PATH_KEYS:  # `~/gsm8k/train.parquet`: the user's home, as a shell would have it
+        *owner, name = key.split(".")
+        section, value = get_key(cfg, ".".join(owner)), get_key(cfg, key)
+        setattr(section, name, [_home(v) for v in value] if isinstance(value, list) else _home(value))
     data.seed = _or(data.seed, cfg.trainer.seed)
+    data.gen_batch_size = _or(data.gen_batch_size, data.train_batch_size)
     data.val_batch_size = _or(data.val_batch_size, data.train_batch_size)
     data.train_files, data.val_files = _file_list(data.train_files), _file_list(data.val_files)
     data.offline_files = _file_list(data.offline_files)
@@ -49,7 +57,34 @@ def resolve(cfg):
         rollout.use_cuda_graph = not rollout.enforce_eager
     for who, opt in ((actor, actor.optim), (critic, critic.optim)):
         who.grad_clip = _or(opt.clip_grad, who.grad_clip)
+    rm = cfg.reward_model  # verl's main_ppo passes DAPO's buffer as reward_kwargs (the recipe: overlong_buffer)
+    given = rm.reward_kwargs.overlong_buffer_cfg
+    if given != type(given)() and rm.overlong_buffer == type(given)():
+        rm.overlong_buffer = dataclasses.replace(given)
+    # verl's GSPO loss aggregates seq-mean-token-mean whatever loss_agg_mode says; nanokl's actor aggregates its
+    # loss terms alike, so with no KL loss and no entropy bonus (verl's would follow loss_agg_mode) the mode is set
+    if (actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode in _VERL_AGG and not actor.use_kl_loss
+            and not actor.entropy_coeff):
+        cfg.__dict__.setdefault("resolve_notes", []).append(
+            f"note: {_A}policy_loss.loss_mode='gspo' with {_A}loss_agg_mode={actor.loss_agg_mode!r}: the GSPO loss is "
+            f"aggregated seq-mean-token-mean whatever loss_agg_mode says, as verl's compute_policy_loss_gspo does")
+        actor.loss_agg_mode = "seq-mean-token-mean"
     return cfg
+
+
+# keys holding a file or folder path (or a list of them): a leading `~` is expanded (os.path.expanduser)
+PATH_KEYS = [f"data.{k}" for k in ("train_files", "val_files", "offline_files", "tokenizer", "tool_config_path")] + [
+    f"{m}.{k}" for m in ("actor_rollout_ref.model", "critic.model") for k in ("path", "tokenizer_path")] + [
+    "actor_rollout_ref.model.hf_config_path", "actor_rollout_ref.model.lora_adapter_path", "reward_model.model.path",
+    "reward_model.model.input_tokenizer", "reward_model.train.data_path", "reward_model.train.val_data_path",
+    "custom_reward_function.path", "sft.output_dir", "actor_rollout_ref.rollout.skip_dump_dir",
+    "actor_rollout_ref.rollout.quantization_config_file"] + [
+    f"trainer.{k}" for k in ("default_local_dir", "resume_from_path", "rollout_data_dir", "validation_data_dir")]
+_VERL_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")  # verl's other loss_agg_modes
+
+
+def _home(path):
+    return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
 
 
 def _or(value, default):
@@ -64,17 +99,13 @@ def _file_list(files):
     return [files] if isinstance(files, str) else list(files)
 
 
-def _get(cfg, key: str):
-    return functools.reduce(getattr, key.split("."), cfg)
-
-
 _A, _R, _C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
 _M, _S = "trainer.kl_monitor.", "sft."
 
 # (keys, test, what the value must be). A None value (an Optional left unset) passes.
 _RULES = [
     (["data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
-      "data.val_batch_size", "data.num_train",
+      "data.val_batch_size", "data.gen_batch_size", "data.num_train",
       _A + "ppo_mini_batch_size", _A + "ppo_micro_batch_size_per_gpu", _A + "ppo_max_token_len_per_gpu",
       _A + "ppo_epochs", _A + "grad_clip",
       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
@@ -189,7 +220,10 @@ def _check_dapo_and_correction(cfg):
     """GSPO's aggregation, the overlong buffer, dynamic sampling, rejection sampling and the KL probe."""
     alg, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     if actor.policy_loss.loss_mode == "gspo" and actor.loss_agg_mode != "seq-mean-token-mean":
-        raise ConfigError(f"{_A}policy_loss.loss_mode=gspo aggregates seq-mean-token-mean (as verl does); set "
+        # (resolve set it where that changes nothing else) verl aggregates the KL loss and the entropy bonus by
+        # loss_agg_mode and GSPO's loss seq-mean-token-mean; nanokl aggregates all of the actor's terms alike
+        raise ConfigError(f"{_A}policy_loss.loss_mode=gspo aggregates seq-mean-token-mean (as verl does) and, with "
+                          f"{_A}use_kl_loss or entropy_coeff, nanokl aggregates those terms alike: set "
                           f"{_A}loss_agg_mode to it, got {actor.loss_agg_mode!r}",
                           keys=(_A + "policy_loss.loss_mode", _A + "loss_agg_mode"))
     ob, R = cfg.reward_model.overlong_buffer, rollout.response_length
@@ -258,7 +292,7 @@ def validate(cfg):
     """Reject values that are wrong in every run (not merely unusual). Run after `resolve`."""
     _check_finite(cfg)
     for key, names in _owned_names():
-        value = _get(cfg, key)
+        value = get_key(cfg, key)
         if value not in names and not (key == "data.task" and value is None):  # None: by data_source
             close = difflib.get_close_matches(str(value), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -267,7 +301,7 @@ def validate(cfg):
     _check_target_kl(cfg.actor_rollout_ref.actor.kl_loss_ctrl.target_kl, _A + "kl_loss_ctrl.target_kl")
     for keys, ok, rule in _RULES:
         for key in keys:
-            value = _get(cfg, key)
+            value = get_key(cfg, key)
             if value is not None and not ok(value):
                 raise ConfigError(f"{key} must be {rule}, got {value!r}", keys=key)
 
@@ -342,150 +376,5 @@ def validate(cfg):
     if actor.kl_loss_ctrl.type == "adaptive" and actor.kl_loss_coef <= 0:
         raise ConfigError(f"{_A}kl_loss_coef must be > 0 with kl_loss_ctrl.type=adaptive (the controller multiplies "
                           f"it), got {actor.kl_loss_coef}", keys=(_A + "kl_loss_coef", _A + "kl_loss_ctrl.type"))
-    from nanokl.harness.config_verl import check_verl_keys
     check_verl_keys(cfg)
     return cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# verl's keys without a nanokl counterpart (nanokl/harness/config_verl.py)
-# ---------------------------------------------------------------------------------------------
-
-_ARR, _RM, _T = "actor_rollout_ref.", "reward_model.", "trainer."
-_RAY = "nanokl runs under torchrun, without Ray"
-_ONE_PROC = "nanokl runs the reward model in the trainer processes, beside the policy"
-_NO_HOOKS = "nanokl has no profiler or tracing hooks (timing_s/* times each stage)"
-_FSDP = ("nanokl/dist.py wraps each decoder block with FSDP2, fp32 master weights under bf16 autocast; "
-         "only param_offload and optimizer_offload are its to set")
-_SP = "nanokl has no sequence parallelism: each GPU holds whole sequences (use_dynamic_bsz bounds memory)"
-_ENT = "nanokl's chunked kernel (use_fused_kernels) recomputes each chunk's logits in backward, always"
-_FUSED = "nanokl has no Liger or Triton kernels; use_fused_kernels chunks the log-probs in plain torch (nanokl/fused.py)"
-_CKPT = "nanokl's checkpoints hold the model, the optimizer and the trainer state, always, written synchronously"
-_VLLM = "nanokl's engine decodes each batch in lockstep; this vLLM scheduler setting has no counterpart"
-_WEIGHTS = "nanokl's rollout takes the actor's weights in place after each update (nanokl/dist.py)"
-_UNUSED = "used only with {} (refused)"
-
-# key -> what nanokl does instead. A key whose value differs from its default (for a dict: one of the
-# entries its default names) prints "note: key=value: <this>" once at start-up, on rank 0; README's
-# verl table lists them all.
-VERL_NOTES = {
-    "data.tokenizer": "nanokl tokenizes with actor_rollout_ref.model.tokenizer_path",
-    "data.use_shm": "nanokl reads the files where they are",
-    "data.return_raw_input_ids": "nanokl keeps one tokenization of each prompt, the policy's",
-    "data.return_full_prompt": "nanokl keeps one tokenization of each prompt, the policy's",
-    "data.dataloader_num_workers": "nanokl reads and tokenizes the prompts once, in the main process",
-    "data.filter_overlong_prompts_workers": "nanokl reads and tokenizes the prompts once, in the main process",
-    "data.validation_shuffle": "nanokl validates on the validation rows in file order",
-    "data.trust_remote_code": "nanokl runs no code from the data or model directories",
-    **dict.fromkeys(["data.image_key", "data.video_key", "data.image_patch_size", "data.return_multi_modal_inputs",
-                     "actor_rollout_ref.actor.freeze_vision_tower"], "nanokl is text-only: no image or video is read"),
-    "data.tool_config_path": "nanokl's rollout is single-turn, without tools",
-    **{f"{m}.{k}": v for m in (_ARR + "model", "critic.model") for k, v in {
-        "use_shm": "nanokl loads the checkpoint from its path",
-        "trust_remote_code": "nanokl builds Qwen2/Llama-format models with its own code (nanokl/model.py)",
-        "external_lib": "nanokl builds Qwen2/Llama-format models with its own code (nanokl/model.py)",
-        "enable_activation_offload": "nanokl keeps activations on the GPU (enable_gradient_checkpointing saves memory)",
-        "lora_alpha": _UNUSED.format("lora_rank > 0"), "target_modules": _UNUSED.format("lora_rank > 0"),
-        "exclude_modules": _UNUSED.format("lora_rank > 0"), "tiled_mlp": "nanokl's MLP runs untiled",
-        "use_liger": _FUSED, "fused_kernel_options": _FUSED}.items()
-       if m != "critic.model" or k not in ("exclude_modules", "use_liger", "fused_kernel_options")},
-    **{f"{p}.fsdp_config.{k}": _FSDP for p in (_A[:-1], _ARR + "ref", "critic.model")
-       for k in ("offload_policy", "reshard_after_forward", "fsdp_size", "forward_prefetch", "wrap_policy",
-                 "model_dtype", "dtype", "use_orig_params", "use_torch_compile", "ulysses_sequence_parallel_size",
-                 "seed", "full_determinism", "entropy_from_logits_with_chunking", "entropy_checkpointing",
-                 "forward_only", "strategy")},
-    **{f"{o}.optimizer_impl": "nanokl's optimizer is torch.optim.AdamW" for o in (_A + "optim", _C + "optim")},
-    **{f"{p}{k}": v for p in (_A, _ARR + "ref.", _C) for k, v in {
-        "ulysses_sequence_parallel_size": _SP,
-        "entropy_from_logits_with_chunking": "the reference computes no entropy", "entropy_checkpointing": _ENT, "profiler": _NO_HOOKS, "router_replay": "nanokl's models are dense (no MoE router)",
-        "checkpoint": _CKPT, "data_loader_seed": "nanokl shuffles mini-batches from trainer.seed and the step"}.items()
-       if not (p == _C and k in ("use_torch_compile", "entropy_from_logits_with_chunking", "entropy_checkpointing",
-                                 "router_replay"))
-       and not (p == _A and k == "entropy_from_logits_with_chunking")
-       and not (p == _ARR + "ref." and k in ("checkpoint", "data_loader_seed"))},
-    _A + "calculate_entropy": "nanokl computes the entropy every step (actor/entropy)",
-    _A + "use_prefix_grouper": "nanokl forwards each response with its own copy of the prompt",
-    **dict.fromkeys([_A + "tau_pos", _A + "tau_neg"], _UNUSED.format("policy_loss.loss_mode=sapo")),
-    **dict.fromkeys([f"{_A}policy_loss.{k}" for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-                                                      "ppo_kl_coef")],
-                    _UNUSED.format("policy_loss.loss_mode=clip_cov / kl_cov")),
-    **dict.fromkeys([_A + "calculate_sum_pi_squared", _A + "sum_pi_squared_checkpointing"],
-                    "nanokl does not compute sum(pi^2)"),
-    _R + "name": "nanokl samples with its own engine (nanokl/rollout.py; CUDA graphs on GPU)",
-    _R + "mode": "nanokl samples synchronously, inside the step",
-    _R + "tensor_model_parallel_size": "nanokl has no tensor parallelism: each GPU samples its share of the prompts "
-                                       "with the whole policy (the same distribution)",
-    **dict.fromkeys([_R + "data_parallel_size", _R + "expert_parallel_size", _R + "pipeline_model_parallel_size"],
-                    "nanokl's rollout runs one whole-policy replica per GPU"),
-    _R + "cudagraph_capture_sizes": "nanokl captures one CUDA graph per batch size it meets (up to max_batch_size)",
-    _R + "free_cache_engine": "nanokl sizes its KV cache once (gpu_memory_utilization) and keeps it",
-    **dict.fromkeys([_R + k for k in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-                                      "enable_prefix_caching", "scheduling_policy", "disable_log_stats",
-                                      "engine_kwargs")], _VLLM),
-    _R + "max_model_len": "nanokl's rollout holds prompt_length + response_length tokens",
-    _R + "logprobs_mode": "nanokl records the log-probs of the temperature-scaled distribution it samples "
-                          "(verl's processed_logprobs)",
-    _R + "calculate_log_probs": "nanokl's rollout records the sampler's log-probs always",
-    **dict.fromkeys([_R + k for k in ("load_format", "multi_stage_wake_up", "layered_summon", "skip_tokenizer_init",
-                                      "enable_rollout_routing_replay", "checkpoint_engine")], _WEIGHTS),
-    _R + "skip_dump_dir": _UNUSED.format("skip_rollout"),
-    _R + "quantization_config_file": _UNUSED.format("quantization"),
-    **dict.fromkeys([_R + "multi_turn", _R + "agent"], "nanokl's rollout is single-turn: one response per sample"),
-    **dict.fromkeys([_R + "trace", _R + "profiler", _R + "prometheus", _RM + "profiler", "global_profiler"], _NO_HOOKS),
-    _ARR + "hybrid_engine": "nanokl's actor and rollout share each GPU (verl's hybrid engine), always",
-    _ARR + "nccl_timeout": "nanokl uses torch.distributed's default timeout",
-    **dict.fromkeys([_RM + k for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "strategy",
-                                       "ulysses_sequence_parallel_size", "use_dynamic_bsz",
-                                       "forward_max_token_len_per_gpu")] +
-                    [f"{_RM}model.{k}" for k in ("external_lib", "trust_remote_code", "use_shm", "use_remove_padding",
-                                                  "use_fused_kernels", "fsdp_config")], _ONE_PROC),
-    _RM + "model.input_tokenizer": "nanokl's reward model reads the decoded text with its own tokenizer",
-    **dict.fromkeys([_RM + k for k in ("reward_loop_source", "reward_loop_module_path", "reward_loop_class_name",
-                                       "use_reward_loop", "num_workers", "launch_reward_fn_async")],
-                    "nanokl scores each batch in the trainer processes, after sampling"),
-    _RM + "sandbox_fusion": "nanokl has no code sandbox: the task's rule scores",
-    _RM + "rollout": "nanokl's reward model is a sequence classifier (no generative reward model)",
-    _RM + "reward_manager": "prime scores in a process pool; nanokl scores in the trainer process (the same scores)",
-    "reward_manager": "nanokl's reward manager is reward_model.reward_manager",
-    "algorithm.pf_ppo": _UNUSED.format("algorithm.use_pf_ppo"),
-    _RM + "overlong_buffer.log": "nanokl logs critic/overlong_penalty/* and critic/overlong_fraction whenever "
-                                 "overlong_buffer.enable",
-    _T + "balance_batch": "nanokl gives each rank the same number of prompts, unbalanced by length (the same metrics)",
-    _T + "esi_redundant_time": "nanokl saves a checkpoint on SIGTERM / SIGUSR1 instead (nanokl/harness/faults.py)",
-    _T + "default_hdfs_dir": "nanokl saves under trainer.default_local_dir only",
-    _T + "del_local_ckpt_after_load": "nanokl keeps the checkpoint it resumed from",
-    _T + "max_critic_ckpt_to_keep": "nanokl's checkpoints hold actor and critic together: max_actor_ckpt_to_keep counts",
-    **dict.fromkeys([_T + "ray_wait_register_center_timeout", _T + "use_legacy_worker_impl", "ray_kwargs", "ray_init",
-                     "transfer_queue"], _RAY),
-}
-
-def startup_notes(cfg) -> list[str]:
-    """One line per verl key set to something nanokl does otherwise (VERL_NOTES), and one per KL
-    controller with nothing to steer. Printed once, on rank 0, by harness/run.py's setup."""
-    from nanokl.harness.config import Config
-    defaults, lines = Config(), []
-    for key, note in VERL_NOTES.items():
-        value = _get(cfg, key)
-        if _differs(value, _get(defaults, key)):
-            lines.append(f"note: {key}={value!r}: {note}")
-    alg, a = cfg.algorithm, cfg.actor_rollout_ref.actor
-    if alg.kl_ctrl.type in ("adaptive", "pi") and not alg.use_kl_in_reward and a.loss_mode == "ppo":
-        fix = ("set algorithm.use_kl_in_reward=true to penalise KL in the reward" if not a.use_kl_loss else
-               f"the KL loss's coefficient has its own, {_A}kl_loss_ctrl" if a.kl_loss_ctrl.type == "adaptive" else
-               f"to steer the KL loss's coefficient set {_A}kl_loss_ctrl.type=adaptive")
-        lines.append(f"warning: algorithm.kl_ctrl.type={alg.kl_ctrl.type} steers beta of the in-reward KL penalty, but "
-                     f"algorithm.use_kl_in_reward is false: the controller has nothing to steer; {fix}")
-    if a.kl_loss_ctrl.type == "adaptive" and not a.use_kl_loss:
-        lines.append(f"warning: {_A}kl_loss_ctrl.type=adaptive steers kl_loss_coef, but {_A}use_kl_loss is false: "
-                     f"the controller has nothing to steer")
-    return lines
-
-
-def _differs(value, default) -> bool:
-    """`value` is not `default`; for a group of settings (a dict), only the entries the default names
-    count (verl's files spell out many more, at values that ask nothing), unless it names none."""
-    if isinstance(value, dict) and isinstance(default, dict):
-        if not default:  # a group verl leaves empty (engine kwargs): any entry asks something
-            return bool(value)
-        return any(_differs(value.get(k, d), d) for k, d in default.items())
-    return value != default

@@ -4,26 +4,25 @@ A verl command line or config file carries keys for machinery nanokl does not ha
 settings, Ray, profilers, LoRA, multi-modal data, ... So that such a command runs unchanged, each of
 those keys is a field here, and each class is the *base* of the config.py section at the same path
 (`RolloutConfig(VerlRolloutKeys)` holds `actor_rollout_ref.rollout.max_num_seqs`). Nothing in
-nanokl reads these fields except config_rules.py: a key whose value is not its default prints
-its line of `config_rules.VERL_NOTES` once at start-up (what nanokl does instead), or, where
-nanokl cannot honour the value without changing the result, is refused there in one line.
+nanokl's training reads these fields: a key whose value is not its default prints its line of
+`config_notes.VERL_NOTES` once at start-up (what nanokl does instead), or, where nanokl cannot
+honour the value without changing the result, is refused in one line by `check_verl_keys` below
+(part of `config_rules.validate`).
 
 Groups of keys that only matter together (profiler settings, vLLM engine kwargs, the agent loop)
 are one `dict` field each: any mapping is accepted, and changing it prints the group's note.
 """
 
 import copy
-import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, Optional, Union
 
-from nanokl.harness.config_io import ConfigError, apply_override
+from nanokl.harness.config_io import ConfigError, get_key
 
 __all__ = ["CustomRewardFunctionConfig", "FSDPConfig", "PolicyLossConfig", "VerlActorKeys", "VerlActorRolloutRefKeys",
            "VerlAlgorithmKeys", "VerlCriticKeys", "VerlCriticModelKeys", "VerlDataKeys", "VerlModelKeys",
            "VerlOptimKeys", "VerlRefKeys", "VerlRewardModelKeys", "VerlRewardModelModelKeys", "VerlRolloutKeys",
-           "VerlTrainerKeys", "choose_base", "verl_section"]
+           "VerlTrainerKeys", "verl_section"]
 
 
 def verl_section(**kw):
@@ -60,9 +59,9 @@ class FSDPConfig:
 @dataclass
 class PolicyLossConfig:
     """verl's `actor.policy_loss`: which policy-gradient loss (nanokl/ppo.py's POLICY_LOSSES)."""
-    # vanilla: dual-clip PPO; gspo: the response's length-normalised ratio clipped (needs loss_agg_mode
-    # seq-mean-token-mean); cispo: the clipped ratio as a REINFORCE weight. verl's others (sapo, gpg, clip_cov,
-    # kl_cov, geo_mean) are refused
+    # vanilla: dual-clip PPO; gspo: the response's length-normalised ratio clipped (seq-mean-token-mean whatever
+    # loss_agg_mode says, as verl: config_rules.resolve); cispo: the clipped ratio as a REINFORCE weight. verl's
+    # others (sapo, gpg, clip_cov, kl_cov, geo_mean) are refused
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002  # clip_cov only
     clip_cov_lb: float = 1.0  # clip_cov only
@@ -274,15 +273,11 @@ class VerlTrainerKeys:
 
 
 # ---------------------------------------------------------------------------------------------
-# Refused values, and the base a command starts from
+# Refused values
 # ---------------------------------------------------------------------------------------------
 
 _A, _R, _C, _ARR, _RM = ("actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic.", "actor_rollout_ref.",
                          "reward_model.")
-
-
-def _get(cfg, key: str):
-    return functools.reduce(getattr, key.split("."), cfg)
 
 
 # (key, bad value?, why nanokl refuses it): what nanokl cannot honour without changing the result
@@ -309,13 +304,46 @@ _VERL_REFUSED = [
     ("algorithm.use_pf_ppo", lambda v: v, "nanokl trains on the whole batch, unresampled"),
     ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v: v, "nanokl's weights are min(pi_old/mu, C)"),
 ]
-REWARD_MANAGERS = ("naive", "prime")  # naive: one score per response; prime: the same, in a process pool
+# naive: one score per response; prime: the same, in a process pool; dapo: the same, + reward_kwargs' overlong penalty
+REWARD_MANAGERS = ("naive", "prime", "dapo")
+
+# model.override_config (verl: entries replacing config.json's; hf_format.read_config applies them). The fields
+# nanokl's model reads and that may change without the weights changing shape are applied; these keep nanokl's
+# model as it is at the value given (any other value refused); attn_implementation is noted (config_notes); the
+# rest is refused, each naming its key
+MODEL_OVERRIDES = ("max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps")
+MODEL_OVERRIDES_SAME = {"attention_dropout": 0, "hidden_dropout": 0, "embd_pdrop": 0, "resid_pdrop": 0,
+                        "hidden_act": "silu", "use_sliding_window": False}
+_SHAPES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "attention_bias", "mlp_bias", "tie_word_embeddings")
+
+
+def _check_model_overrides(key, overrides, fresh_head):
+    """One model's override_config: applied, the same as nanokl's model, noted, or refused per key."""
+    for name, value in overrides.items():
+        k, why = f"{key}.{name}", None
+        if name in MODEL_OVERRIDES or name == "attn_implementation" or (fresh_head and name == "initializer_range"):
+            kind, shown = {"max_position_embeddings": (int, "int"), "rope_scaling": ((dict, type(None)), "a mapping or "
+                           "null"), "rope_parameters": (dict, "a mapping"), "attn_implementation": (str, "a name")
+                           }.get(name, ((int, float), "a number"))
+            if not isinstance(value, kind) or isinstance(value, bool):
+                why = f"expects {shown}"
+        elif name in MODEL_OVERRIDES_SAME:
+            if value != MODEL_OVERRIDES_SAME[name]:
+                why = f"nanokl's model runs {name}={MODEL_OVERRIDES_SAME[name]!r} (no dropout, SiLU, full attention)"
+        elif name in _SHAPES:
+            why = "it changes the model's shapes: the checkpoint's weights are read as config.json gives them"
+        else:
+            why = (f"nanokl's model does not read it (it applies {', '.join(MODEL_OVERRIDES)}"
+                   f"{', initializer_range' if fresh_head else ''}; attn_implementation is noted)")
+        if why:
+            raise ConfigError(f"{k}={value!r} is not supported: {why}", keys=k)
 
 
 def check_verl_keys(cfg):
     """Refuse the verl values nanokl cannot honour without changing the result (part of `validate`)."""
     for key, bad, why in _VERL_REFUSED:
-        value = _get(cfg, key)
+        value = get_key(cfg, key)
         if bad(value):
             raise ConfigError(f"{key}={value!r} is not supported: {why}", keys=key)
     a, c = cfg.actor_rollout_ref.actor, cfg.critic
@@ -323,17 +351,40 @@ def check_verl_keys(cfg):
         if opt.lr_scheduler_type == "cosine" and opt.num_cycles != 0.5:
             raise ConfigError(f"{key}.num_cycles must be 0.5 (nanokl's cosine falls once, from the peak to "
                               f"min_lr_ratio), got {opt.num_cycles!r}", keys=key + ".num_cycles")
-    if cfg.reward_model.reward_manager not in REWARD_MANAGERS:
+    rm, RK = cfg.reward_model, "reward_model.reward_kwargs."
+    if rm.reward_manager not in REWARD_MANAGERS:
+        why = ("batch calls custom_reward_function once per batch, with lists (data_sources, solution_strs, ...); "
+               "nanokl calls compute_score once per response, as naive" if rm.reward_manager == "batch" else
+               "nanokl cannot give its scores")
         raise ConfigError(f"reward_model.reward_manager must be one of {', '.join(REWARD_MANAGERS)}; got "
-                          f"{cfg.reward_model.reward_manager!r} (nanokl cannot give its scores)",
-                          keys="reward_model.reward_manager")
+                          f"{rm.reward_manager!r} ({why})", keys="reward_model.reward_manager")
+    ob, kw, R = rm.overlong_buffer, rm.reward_kwargs, cfg.actor_rollout_ref.rollout.response_length
+    if ob != kw.overlong_buffer_cfg != type(ob)():  # (resolve copies the latter when the former is unset)
+        raise ConfigError(f"set only one of reward_model.overlong_buffer (the DAPO recipe's) and "
+                          f"{RK}overlong_buffer_cfg (verl's dapo reward manager's): they are the same buffer",
+                          keys=("reward_model.overlong_buffer", RK + "overlong_buffer_cfg"))
+    if kw != type(kw)() and rm.reward_manager != "dapo":
+        raise ConfigError(f"{RK[:-1]} are the dapo reward manager's arguments (verl's {rm.reward_manager} takes "
+                          f"none): set reward_model.reward_manager=dapo, or use reward_model.overlong_buffer",
+                          keys=(RK[:-1], "reward_model.reward_manager"))
+    if kw.max_resp_len not in (None, R):
+        raise ConfigError(f"{RK}max_resp_len must be {_R}response_length ({R}), where nanokl's overlong buffer "
+                          f"ends, or null; got {kw.max_resp_len!r}", keys=(RK + "max_resp_len", _R + "response_length"))
+    d = cfg.data
+    if d.gen_batch_size != d.train_batch_size and not cfg.algorithm.filter_groups.enable:
+        raise ConfigError(f"data.gen_batch_size ({d.gen_batch_size}) is the generation round of dynamic sampling: "
+                          f"without algorithm.filter_groups.enable each step trains on data.train_batch_size "
+                          f"({d.train_batch_size}) prompts; leave it unset or equal",
+                          keys=("data.gen_batch_size", "algorithm.filter_groups.enable"))
+    _check_model_overrides(_ARR + "model.override_config", cfg.actor_rollout_ref.model.override_config, False)
+    _check_model_overrides(_C + "model.override_config", c.model.override_config, True)
     for old, new in ((_A + "ppo_micro_batch_size", _A + "ppo_micro_batch_size_per_gpu"),
                      (_ARR + "ref.log_prob_micro_batch_size", _ARR + "ref.log_prob_micro_batch_size_per_gpu"),
                      (_R + "log_prob_micro_batch_size", _R + "log_prob_micro_batch_size_per_gpu"),
                      (_C + "ppo_micro_batch_size", _C + "ppo_micro_batch_size_per_gpu"),
                      (_C + "forward_micro_batch_size", _C + "forward_micro_batch_size_per_gpu"),
                      (_RM + "micro_batch_size", _RM + "micro_batch_size_per_gpu")):
-        if _get(cfg, old) is not None and _get(cfg, new) is not None:
+        if get_key(cfg, old) is not None and get_key(cfg, new) is not None:
             raise ConfigError(f"set only one of {old} (verl's older size over all GPUs) and {new}", keys=(old, new))
     if c.enable is not None and a.loss_mode == "ppo":
         from nanokl.advantages import ESTIMATORS
@@ -341,35 +392,3 @@ def check_verl_keys(cfg):
             raise ConfigError(f"critic.enable={c.enable} contradicts algorithm.adv_estimator="
                               f"{cfg.algorithm.adv_estimator}: nanokl trains a critic exactly when the estimator "
                               f"needs one", keys=("critic.enable", "algorithm.adv_estimator"))
-
-
-def choose_base(path, overrides, default_path):
-    """(the file to load, or None for the dataclass defaults; the line saying so). A verl command
-    (data.train_files given, no --config) starts from verl's defaults, and must name its model;
-    any other command from `--config`, else `default_path` (the CPU demo's file)."""
-    if path is None and default_path is not None and _given(overrides, "data", "train_files"):
-        if not _given(overrides, "actor_rollout_ref", "model", "path"):
-            raise ConfigError("data.train_files is given without --config, so the run starts from verl's defaults "
-                              "and needs the model to train: set actor_rollout_ref.model.path=<HF checkpoint dir>",
-                              keys="actor_rollout_ref.model.path")
-        return None, "verl's defaults (no --config, data files given)"
-    path = default_path if path is None else path
-    if path is None:
-        return None, "the defaults"
-    shown, root = Path(path).resolve(), Path(__file__).resolve().parents[2]
-    shown = shown.relative_to(root) if shown.is_relative_to(root) else path
-    demo = default_path is not None and Path(path).resolve() == Path(default_path).resolve()
-    return path, f"{shown}" + (" (the CPU demo)" if demo else "")
-
-
-def _given(overrides, *keys):
-    """The value the `key=value` overrides give the nested key `keys` (None when none does)."""
-    tree = {}
-    try:
-        for arg in overrides:
-            apply_override(tree, {}, arg)
-    except ConfigError:
-        return None  # load_config reports it, with where it was set
-    for k in keys:
-        tree = tree.get(k) if isinstance(tree, dict) else None
-    return tree

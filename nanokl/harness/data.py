@@ -17,7 +17,6 @@ This module holds what does not depend on the task:
    `system_prompt`); anything longer is not a single-turn prompt and is refused. The chat itself is
    kept as `messages`. A bad row is a `DataError` naming `file:line` (Parquet: `file:row i`,
    0-based as pyarrow counts), so the user fixes the data instead of reading a traceback.
-   `write_rows` writes rows back (JSONL or Parquet), for tests and for preparing data.
 
 2. Batches with exact resume (`batch_indices`). The batch of global step `s` is a pure
    function of (s, seed): epoch e = s // steps_per_epoch shuffles with seed + e, and the step
@@ -202,22 +201,6 @@ def _text_only(row, where: str):
     return row
 
 
-def write_rows(path, rows) -> Path:
-    """Write rows (dicts) as a .jsonl or .parquet file that `read_rows` reads back (Parquet needs pyarrow)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".parquet":
-        try:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise UserError(f"{path}: writing Parquet needs pyarrow (pip install pyarrow)") from None
-        pq.write_table(pa.Table.from_pylist(list(rows)), path)
-    else:
-        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
 def read_examples(path_or_paths, to_example) -> list[dict]:
     """All examples of one file or a list of files, in order: `to_example(row, where)` per row
     (a task's row reader, e.g. verl_row_to_example)."""
@@ -271,6 +254,13 @@ def rank_rows(num_examples: int, batch_size: int, step: int, seed: int, shuffle:
     return batch_indices(num_examples, batch_size, step, seed, shuffle)[rank * per_rank:(rank + 1) * per_rank]
 
 
+def step_seed(seed: int, step: int, stream: int) -> int:
+    """The seed of one random stream of step `step`: a pure function of (run seed, step, stream), so a
+    resumed run draws what an unbroken one would. Streams: the rank (the rollout's sampling), the rank +
+    104729 (the KL probe's), the row index (which logged responses an offline step draws)."""
+    return seed * 1_000_003 + step * 8191 + stream
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Prompts -> token ids
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +279,12 @@ def build_prompts(examples, tokenizer, template: str = "plain", max_length: int 
     """Left-padded (input_ids [B, T], attention_mask [B, T]) of the templated prompts."""
     texts = [prompt_text(ex, tokenizer, template, system_prompt) for ex in examples]
     return tokenizer.encode(texts, max_length=max_length, truncation=truncation, device=device)
+
+
+def encode_prompts(examples, tokenizer, d, device=None):
+    """build_prompts as the config's data section asks (template, max_prompt_length, truncation): how
+    every prompt the run samples from is encoded."""
+    return build_prompts(examples, tokenizer, d.prompt_template, d.max_prompt_length, d.truncation, device=device)
 
 
 def filter_overlong(examples, tokenizer, template: str, max_length: int,
@@ -337,13 +333,13 @@ def check_prompts(examples, tokenizer, data, what: str) -> None:
                             "data.truncation=left|right to cut them)")
 
 
-def check_positions(model_path, prompt_length: int, response_length: int, lengths: str) -> None:
+def check_positions(model_path, prompt_length: int, response_length: int, lengths: str, overrides=None) -> None:
     """prompt + response tokens within the model's max_position_embeddings (its config.json), else a
     UserError naming the file: past it the positions are ones the model never saw (RoPE runs on, silently).
     `lengths` says where the two numbers come from,
-    e.g. "data.max_prompt_length (24) + data.max_response_length (32)"."""
+    e.g. "data.max_prompt_length (24) + data.max_response_length (32)"; `overrides`: model.override_config."""
     from nanokl.harness.hf_format import read_config  # torch-heavy: only when a run checks
-    kw, _ = read_config(model_path)
+    kw, _ = read_config(model_path, overrides)
     most = kw["max_position_embeddings"]
     if prompt_length + response_length > most:
         raise UserError(f"{Path(model_path) / 'config.json'}: max_position_embeddings={most}, but {lengths} = "
@@ -360,7 +356,8 @@ def check_loaded(cfg, tokenizer, train, val) -> None:
     response = f"data.max_response_length ({ro.response_length})" if ro.response_length == d.max_response_length \
         else f"actor_rollout_ref.rollout.response_length ({ro.response_length})"
     check_positions(cfg.actor_rollout_ref.model.path, d.max_prompt_length, ro.response_length,
-                    f"data.max_prompt_length ({d.max_prompt_length}) + {response}")
+                    f"data.max_prompt_length ({d.max_prompt_length}) + {response}",
+                    cfg.actor_rollout_ref.model.override_config)
     splits = [("validation", val)] if d.offline_files else [("training", train), ("validation", val)]
     for what, examples in splits:  # offline: the logged rows are the training prompts, read (and checked) apart
         check_prompts(examples, tokenizer, d, what)

@@ -40,6 +40,8 @@ threshold's edge, and a short real run with a planted exploit.
 
 import math
 
+from nanokl.masked import masked_mean, zero_masked
+
 LENGTH_KEY = "response_length/mean"
 RULE_KEY = "critic/rule_score/mean"
 VAL_SUFFIX = "/acc/mean@1"  # val-core/<source>/acc/mean@1: the held-out accuracy
@@ -47,6 +49,23 @@ REPETITION_KEY = "response_repetition/mean"
 CLIP_KEY = "response_length/clip_ratio"
 RATIO_KEY = "actor/ratio_out_band"
 CHECKS = ("length_drift", "degenerate", "ratio_band")
+RATIO_BAND = (0.8, 1.2)  # the offline-RLHF article's band for π/π_old
+
+
+def ratio_out_band(old_log_prob, log_prob, response_mask, band=RATIO_BAND):
+    """The share of valid tokens whose ratio π_θ/π_old = exp(logp − old_logp) lies outside `band` (the
+    offline-RLHF article keeps it within [0.8, 1.2]; a large share says the update moved far past what
+    one PPO step should, the clip notwithstanding). Compared in log space, so a padded inf never meets
+    the mask."""
+    log_ratio = zero_masked(log_prob, response_mask) - zero_masked(old_log_prob, response_mask)
+    lo, hi = math.log(band[0]), math.log(band[1])
+    return masked_mean(((log_ratio < lo) | (log_ratio > hi)).float(), response_mask)
+
+
+def watch_ratio(mb, log_prob) -> dict:
+    """What the policy update records for the ratio_band check on each micro-batch (workers.update_actor's
+    `watch`): actor/ratio_out_band, token-weighted over the mini-batch as the update's other fractions."""
+    return {RATIO_KEY: ratio_out_band(mb["old_log_probs"], log_prob, mb["response_mask"])}
 
 
 def _mean(xs):

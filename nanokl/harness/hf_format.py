@@ -50,8 +50,10 @@ class CheckpointError(UserError):
     """A model directory that nanokl cannot load, with the reason in one line."""
 
 
-def read_config(path) -> tuple[dict, str]:
-    """config.json -> (ModelConfig keyword arguments, head kind "lm" | "value" | "reward")."""
+def read_config(path, overrides=None) -> tuple[dict, str]:
+    """config.json -> (ModelConfig keyword arguments, head kind "lm" | "value" | "reward"). `overrides`
+    (verl's model.override_config, checked by config_verl) replace config.json's entries; a mapping is
+    merged into the entry's own (rope_scaling: {factor: 4.0} keeps its other keys)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
@@ -66,6 +68,8 @@ def read_config(path) -> tuple[dict, str]:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({type(e).__name__})") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
+    for k, v in (overrides or {}).items():
+        hf[k] = {**hf[k], **v} if isinstance(v, dict) and isinstance(hf.get(k), dict) else v
     try:
         kw, head = _config_kwargs(hf, cfg_file)
         rope_inv_freq(ModelConfig(**kw))  # ModelConfig's checks and the RoPE variant's, here where the file is known
@@ -226,22 +230,23 @@ def build_model(cls, cfg, tensors, path, ignore, device, dtype):
     return model.to(device)
 
 
-def from_pretrained(path, device=None, dtype=None) -> CausalLM:
-    """Load a Qwen2/Llama causal LM from a Hugging Face directory (fp32 unless `dtype` says)."""
-    kw, _ = read_config(path)
+def from_pretrained(path, device=None, dtype=None, overrides=None) -> CausalLM:
+    """Load a Qwen2/Llama causal LM from a Hugging Face directory (fp32 unless `dtype` says); `overrides`
+    replace config.json's entries (read_config)."""
+    kw, _ = read_config(path, overrides)
     cfg = ModelConfig(**kw)
     device = torch.device(device or "cpu")
     tensors = load_tensors(path, device)
     return build_model(CausalLM, cfg, tensors, path, ("score.weight", "score.bias"), device, dtype or torch.float32)
 
 
-def load_scalar_head(cls, path, device=None, dtype=None, bias=True, seed=0):
+def load_scalar_head(cls, path, device=None, dtype=None, bias=True, seed=0, overrides=None):
     """A model with a scalar `score` head (critic, reward model): from its own directory, or from a
     causal LM whose LM head is swapped for a fresh normal(0, initializer_range) row (and a zero
     bias if `cls` has one), as verl's critic gets it from `transformers`. The fresh row is drawn
     on the CPU from its own generator seeded with `seed`: the same head whatever drew from torch's
     global generator before (an SFT trained in the same process, say), on any device."""
-    kw, head = read_config(path)
+    kw, head = read_config(path, overrides)
     cfg = ModelConfig(**kw)
     device = torch.device(device or "cpu")
     tensors = load_tensors(path, device)
@@ -254,9 +259,9 @@ def load_scalar_head(cls, path, device=None, dtype=None, bias=True, seed=0):
     return build_model(cls, cfg, tensors, path, (), device, dtype or torch.float32)
 
 
-def load_value_model(path, device=None, dtype=None, seed=0) -> ValueModel:
+def load_value_model(path, device=None, dtype=None, seed=0, overrides=None) -> ValueModel:
     """The critic: a value-model directory, or a causal LM given a fresh value head (drawn with `seed`)."""
-    return load_scalar_head(ValueModel, path, device, dtype, seed=seed)
+    return load_scalar_head(ValueModel, path, device, dtype, seed=seed, overrides=overrides)
 
 
 def save_pretrained(model, path, dtype=None, state_dict=None):

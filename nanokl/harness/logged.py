@@ -42,7 +42,7 @@ import random
 
 import torch
 
-from nanokl.harness.data import DataError, _chat_prompt, build_prompts, read_examples
+from nanokl.harness.data import DataError, _chat_prompt, build_prompts, read_examples, step_seed
 from nanokl.harness.tokenizer import apply_template
 from nanokl.rollout import RolloutOutput
 
@@ -153,7 +153,7 @@ def read_logged(paths, tok, *, template="plain", max_prompt_length=None, max_res
 def draw_responses(row, n, seed, step, index) -> list[int]:
     """Which `n` of the row's responses step `step` trains on, in ranking order (best first)."""
     K = len(row["responses"])
-    rng = random.Random(seed * 1_000_003 + step * 8191 + index)  # the same on every rank
+    rng = random.Random(step_seed(seed, step, index))  # the same on every rank
     picks = rng.sample(range(K), min(n, K)) + rng.choices(range(K), k=max(0, n - K))
     if row["ranking"] is not None:
         place = {r: i for i, r in enumerate(row["ranking"])}

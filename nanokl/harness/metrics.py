@@ -3,9 +3,13 @@
 verl's `compute_data_metrics` reports, for each per-response or per-token quantity of a batch
 (scores, rewards, advantages, returns, values, response lengths), its mean, max and min as
 `<name>/mean`, `/max`, `/min`; `compute_timing_metrics` reports seconds per phase as
-`timing_s/<phase>`. Under data parallelism each rank holds a slice of the batch, so every statistic
-here is reduced over ranks (sums and counts for means, max/min for extremes; nanokl/dist.py):
-the logged numbers are those of the whole global batch, whatever the world size.
+`timing_s/<phase>`; and, added later here at the end of the row (`verl_tail`, so that metrics.jsonl's
+earlier columns keep their order), prompt_length/clip_ratio, response/aborted_ratio,
+perf/time_per_step (= timing_s/step) and timing_per_token_ms/<phase> (gen per response token, ref,
+values, adv, update_critic, update_actor per prompt + response token). Under data parallelism each
+rank holds a slice of the batch, so every statistic here is reduced over ranks (sums and counts for
+means, max/min for extremes; nanokl/dist.py): the logged numbers are those of the whole global
+batch, whatever the world size.
 
 The critic's explained variance, 1 - Var[R - V] / Var[R] over the response tokens, is 1 for a
 critic that predicts the returns exactly, 0 for one that predicts their mean, and negative for a
@@ -99,5 +103,49 @@ def step_metrics(run, step, out, batch, *, update, entropy, t_step, scores=None,
     tokens = dist.all_reduce(out.attention_mask.sum().float()).item()
     m["timing_s/step"] = time.perf_counter() - t_step
     m.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / m["timing_s/step"] / W,
-              "training/epoch": step // steps_per_epoch(len(run.train), d.train_batch_size)})
+              "training/epoch": step // steps_per_epoch(len(run.train), d.gen_batch_size)})
+    # verl's that nanokl logged without, after all of nanokl's (verl_tail moves them to the row's end)
+    m.update(verl_data_metrics(out.attention_mask, rmask, out.prompt_length, d.max_prompt_length))
+    m["perf/time_per_step"] = m["timing_s/step"]
+    run.step_tokens = section_tokens(out.attention_mask, rmask, out.prompt_length)
     return m
+
+
+def verl_data_metrics(attention_mask, response_mask, prompt_width, max_prompt_length) -> dict:
+    """verl's compute_data_metrics entries nanokl lacked, over all ranks' responses: prompt_length/clip_ratio,
+    the share of prompts of exactly data.max_prompt_length tokens (verl pads every prompt to that width and
+    compares with it), and response/aborted_ratio, the share of responses of no token at all."""
+    prompts = attention_mask[:, :prompt_width].sum(-1)
+    return {"prompt_length/clip_ratio": dist.global_stats((prompts == max_prompt_length).float())[0],
+            "response/aborted_ratio": dist.global_stats((response_mask.sum(-1) == 0).float())[0]}
+
+
+def section_tokens(attention_mask, response_mask, prompt_width) -> dict:
+    """All ranks' response tokens ("gen") and prompt + response tokens ("all") of a step: what verl's
+    compute_timing_metrics divides each phase's time by."""
+    prompt = dist.all_reduce(attention_mask[:, :prompt_width].sum().float()).item()
+    response = dist.all_reduce(response_mask.sum().float()).item()
+    return {"gen": response, "all": prompt + response}
+
+
+PER_TOKEN = ("gen", "ref", "values", "adv", "update_critic", "update_actor")  # verl's, in its order
+TAIL = ("prompt_length/clip_ratio", "response/aborted_ratio", "perf/time_per_step")
+
+
+def timing_per_token(metrics, tokens) -> dict:
+    """verl's timing_per_token_ms/<phase>: the phase's seconds x 1000 per token, response tokens for gen,
+    prompt + response tokens for the others; for the phases the step timed."""
+    return {f"timing_per_token_ms/{k}": metrics[f"timing_s/{k}"] * 1000 / tokens["gen" if k == "gen" else "all"]
+            for k in PER_TOKEN if f"timing_s/{k}" in metrics and tokens["gen" if k == "gen" else "all"] > 0}
+
+
+def verl_tail(metrics, tokens) -> dict:
+    """The row as logged: verl's metrics that nanokl added later (TAIL, then timing_per_token_ms/*) at its
+    end, after every key nanokl logged before them, so that older readers of metrics.jsonl see the same
+    columns in the same order. Returns `metrics`, reordered in place."""
+    for k in TAIL:
+        if k in metrics:
+            metrics[k] = metrics.pop(k)
+    if tokens:
+        metrics.update(timing_per_token(metrics, tokens))
+    return metrics

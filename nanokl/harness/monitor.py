@@ -63,7 +63,8 @@ The high side and kl_stop never wait: a real early drift is still seen.
 Each check has an action (`<check>_action`): "warn" (log it), "adjust" (turn a knob, below), "stop"
 (save and end the run cleanly) or "rollback" (reload the last healthy checkpoint, multiply beta by
 rollback_beta_factor, continue; trainer.kl_monitor.rollback_recipe picks other recipes, run.py).
-Defaults: the level checks warn, kl_stop stops. After max_rollbacks rollbacks a further rollback
+Defaults: every check warns (the checklist is on for every run, changing no result); a config or the
+command makes it act. After max_rollbacks rollbacks a further rollback
 becomes a stop, so a run cannot loop forever.
 
 Adjust: the article's remedies. The same article's table has a third column, what to do when a

@@ -54,7 +54,7 @@ tests/test_ref_check.py plants a reference that shares the actor's parameters in
 import torch
 
 from nanokl import dist
-from nanokl.harness.data import build_prompts
+from nanokl.harness.data import encode_prompts
 from nanokl.harness.metrics import timer
 from nanokl.harness.run_state import TrainingStopped
 from nanokl.workers import compute_log_probs
@@ -68,8 +68,7 @@ def probe_batch(run) -> dict | None:
     examples = (run.val or run.train)[:PROBE_PROMPTS]
     if not examples:
         return None
-    ids, mask = build_prompts(examples, run.tok, d.prompt_template, d.max_prompt_length, d.truncation,
-                              device=run.device)
+    ids, mask = encode_prompts(examples, run.tok, d, device=run.device)
     R = int(mask.sum(-1).min()) - 1  # every row's last R tokens are real, and each has a token before it
     if R < 1:
         return None

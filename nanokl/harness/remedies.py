@@ -37,6 +37,7 @@ better restarted with algorithm.adv_estimator=grpo.
 """
 
 from nanokl import dist
+from nanokl.harness.checkpoint import checkpoint_dir
 from nanokl.kl_ctrl import FixedKLController
 
 
@@ -131,7 +132,7 @@ def rollback(run, restore_checkpoint):
             set_lr(run.critic_opt, run.critic_sched, km.rollback_critic_lr)
         run.monitor.rolled_back()
         return "the reference weights"
-    path = run.run_dir / "checkpoints" / f"global_step_{run.healthy_step}"
+    path = checkpoint_dir(run.run_dir, run.healthy_step)  # verl's layout, or the old checkpoints/ one
     if run.healthy_step is None or not (path / "trainer_state.pt").is_file():
         return None
     _, state = restore_checkpoint(run, path, weights=True)

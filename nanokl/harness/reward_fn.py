@@ -18,15 +18,15 @@ Which function (`scorer`), in this order:
   1. `custom_reward_function.path` and `.name`: the user's function, imported from that one file
      (importlib, from the path as given: nothing else on sys.path is searched), once per run. It
      scores every row whatever its data_source: how a verl user brings a task nanokl has no rule
-     for. A dict it returns gives its "score" (verl's managers do the same); anything else that is
-     not a number is refused (`reward_value`).
+     for. A dict it returns gives its "score" and more (below); anything else that is not a number is
+     refused (`reward_value`).
   2. `data.task`, when set: that task's rule for every row (nanokl's tasks; nanokl/tasks/).
   3. Otherwise each row's data_source picks the rule, as verl's `default_compute_score` does
      (verl/utils/reward_score/__init__.py): nanokl/tasks/ `SOURCES` maps "openai/gsm8k" to GSM8K's
      `#### N` match and "arith" to the arithmetic task's. A data_source with no rule is refused
      when the data load (`check_sources`: one line naming the known ones), not at the first step.
 
-All three become one shape, `score(text, example) -> float`, which the training step and
+All three become one shape, `score(text, example) -> Reward`, which the training step and
 validation call alike (nanokl/harness/scoring.py), each call through `call`: a function that raises,
 returns something that is not a number (a str such as "1.0", None, a dict without a numeric "score";
 a bool counts, as verl's tensor assignment takes it) or a number that is not finite stops the run as a
@@ -35,6 +35,22 @@ extra_info index): train_ppo.main saves a checkpoint of the steps done and exits
 would lose them and a NaN would surface steps later as a "non-finite loss". Under torchrun every rank
 stops together (`agree`). A ground truth the task's rule cannot read is refused before that, when the
 data load (`check_truths`).
+
+Dict rewards. verl's managers (naive.py, dapo.py in verl/workers/reward_manager/) accept a dict such as
+{"score": 1.0, "acc": True, "pred": "42"}: "score" is the reward on the last token, and every key
+(score included) goes into `reward_extra_info`. verl's trainer logs none of those keys per training
+step (ray_trainer.fit puts them beside the batch, for DAPO's filter_groups.metric and the
+rollout_data_dir dump); its validation averages each numeric one per data source
+(ray_trainer._validate, metric_utils.process_validation_metrics), with "acc", when present, as the
+core variable: val-core/<source>/acc/mean@n, val-aux/<source>/<key>/mean@n for the others and
+val-aux/<source>/reward/mean@n for the reward itself. A `Reward` is that float with the dict's keys
+beside it (`info`; {} for a number): its `acc` ("acc" when reported, else the reward) is the rule's
+accuracy the step returns (critic/rule_score, filter_groups' "acc") and validation's val-core, and
+nanokl/harness/scoring.py logs the other numeric keys under verl's validation names. A task's rule
+returns verl's dict by having `result` (nanokl/tasks/math_dapo.py: {"score": +-1, "acc": bool, "pred"}),
+so its held-out accuracy is 0/1, not the +-1 score. A dict's other values must be numbers or bools
+(averaged), strings or None (verl's "pred", not averaged); anything else, a non-finite number, a key
+that is not a string or the key "reward" (validation's own name for the score) stops the run as above.
 
 tests/test_reward_fn.py checks a custom function against a hand-written loop over the same rows, the
 one-line errors, and the data_source dispatch; tests/test_bad_input.py and test_faults_more.py the
@@ -61,6 +77,28 @@ from nanokl.tasks import get_task, source_task
 class RewardError(TrainingStopped):
     """The reward function raised, returned what is not a number, or a number that is not finite. A stop
     (exit 1) after a checkpoint of the steps done (train_ppo.main), not a user error found at load."""
+
+
+class Reward(float):
+    """One response's reward: the float that goes on its last token, and `info`, the keys of the dict
+    the function returned (verl's reward_extra_info of the response: "score", "acc", "pred", ...; {} when
+    it returned a number). Arithmetic on it gives plain floats."""
+
+    def __new__(cls, value, info=None):
+        self = super().__new__(cls, value)
+        self.info = info or {}
+        return self
+
+    @property
+    def acc(self) -> float:
+        """The response's accuracy: the dict's "acc" when it has one (verl's val-core variable), else
+        the reward itself (what nanokl has always reported as acc for a number)."""
+        return float(self.info["acc"]) if "acc" in self.info else float(self)
+
+
+def accuracy(reward) -> float:
+    """`Reward.acc`, and a plain float (a row without a ground truth: nan) as it is."""
+    return reward.acc if isinstance(reward, Reward) else float(reward)
 
 
 class _NotANumber(RewardError):
@@ -110,29 +148,54 @@ def _shown(value) -> str:
     return f"{text if len(text) <= 60 else text[:57] + '...'} ({type(value).__name__})"
 
 
-def reward_value(out) -> float:
-    """A reward function's return value -> float: a number (bool, int, float, a numpy or one-element torch
-    scalar) or verl's dict with a numeric "score". Anything else is a _NotANumber saying what it was."""
-    value = out
-    if isinstance(out, dict):  # verl's managers take a dict's "score" (its other keys are extra metrics)
-        if "score" not in out:
-            raise _NotANumber(f"returned a dict without a 'score' ({_shown(out)})", _REWARD_IS)
-        value = out["score"]
+def _scalar(value):
+    """A numpy scalar or one-element tensor as the Python number it holds; anything else as it is."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 or type(value).__module__ == "numpy" and \
             getattr(value, "size", 0) == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real):
-        shown = _shown(value) if value is out else f"{_shown(out)}, whose 'score' is {_shown(value)}"
-        raise _NotANumber(f"returned {shown}", _REWARD_IS)
-    return float(value)
+        return value.item()
+    return value
+
+
+def reward_value(out) -> Reward:
+    """A reward function's return value -> Reward: a number (bool, int, float, a numpy or one-element torch
+    scalar) or verl's dict with a numeric "score", whose keys become the Reward's `info` (numbers and bools,
+    strings and None; numpy and torch scalars as Python ones). Anything else is a _NotANumber saying what
+    it was."""
+    if not isinstance(out, dict):
+        value = _scalar(out)
+        if not isinstance(value, numbers.Real):
+            raise _NotANumber(f"returned {_shown(out)}", _REWARD_IS)
+        return Reward(float(value))
+    if "score" not in out:  # verl's managers read result["score"]: a KeyError there
+        raise _NotANumber(f"returned a dict without a 'score' ({_shown(out)})", _REWARD_IS)
+    info = {}
+    for key, raw in out.items():
+        value = _scalar(raw)
+        if key == "score" and not isinstance(value, numbers.Real):
+            raise _NotANumber(f"returned {_shown(out)}, whose 'score' is {_shown(value)}", _REWARD_IS)
+        if key == "acc" and not isinstance(value, numbers.Real):
+            raise _NotANumber(f"returned a dict whose 'acc' is {_shown(value)}", _ACC_IS)
+        if not isinstance(key, str) or key == "reward":
+            raise _NotANumber(f"returned a dict with the key {key!r}", _KEYS_ARE)
+        if not (value is None or isinstance(value, (numbers.Real, str))):
+            raise _NotANumber(f"returned a dict whose {key!r} is {_shown(value)}", _EXTRA_IS)
+        if isinstance(value, numbers.Real) and not math.isfinite(value):
+            raise _NotANumber(f"returned a dict whose {key!r} is {value}", "a reward's numbers must be finite")
+        info[key] = value
+    return Reward(float(info["score"]), info)
 
 
 _REWARD_IS = "a reward is a number, or a dict with a numeric 'score' (verl's two shapes)"
+_EXTRA_IS = ("a reward dict's other values are numbers or bools (averaged in validation, as verl's "
+             "reward_extra_info) or strings and None (verl's 'pred', not averaged)")
+_ACC_IS = "a reward dict's 'acc' is the response's accuracy: a number or a bool (verl's val-core variable)"
+_KEYS_ARE = "a reward dict's keys are strings, and 'reward' is taken (validation's name for the score, as verl's)"
 
 
 def scorer(cfg):
-    """`score(text, example) -> float` for this config (the module docstring's three cases); its `what`
-    names it in errors."""
+    """`score(text, example) -> Reward` for this config (the module docstring's three cases); its `what`
+    names it in errors. A task's rule that has `result` (verl's dict) is read through it, else its
+    `score` (a float) is."""
     method, custom = cfg.reward_model.score_method, _custom(cfg)
     if custom is not None:
         fn = load_custom(*custom)
@@ -142,23 +205,29 @@ def scorer(cfg):
                                    extra_info=ex.get("extra_info", {})))
         score.what = f"custom_reward_function {custom[1]} ({custom[0]})"
         return score
-    task_score = get_task(cfg.data.task).score  # data.task None: the row's data_source picks (tasks/by_source.py)
+    task = get_task(cfg.data.task)  # data.task None: the row's data_source picks (tasks/by_source.py)
 
     def rule(text, ex):
-        return task_score(text, ex, method)
+        row_task = task if cfg.data.task else source_task(ex["data_source"])
+        if hasattr(row_task, "result"):  # verl's dict: the score, and "acc", "pred", ... beside it
+            return reward_value(row_task.result(text, ex, method))
+        return Reward(task.score(text, ex, method))
     rule.what = f"data.task={cfg.data.task}'s rule" if cfg.data.task else "the rule of the row's data_source"
     return rule
 
 
-def call(score, text, ex, which: str) -> float:
-    """score(text, ex), or a RewardError naming the function, `which` response ("response 3 of the batch")
-    and its row's data_source (and extra_info index) when it raises, returns no number or a non-finite one."""
+def call(score, text, ex, which: str) -> Reward:
+    """score(text, ex) as a Reward (a number or verl's dict read by `reward_value`), or a RewardError naming
+    the function, `which` response ("response 3 of the batch") and its row's data_source (and extra_info
+    index) when it raises, returns no number or a non-finite one."""
     extra = ex.get("extra_info")
     index = f", extra_info index {extra['index']!r}" if isinstance(extra, dict) and "index" in extra else ""
     row = f"{which} (data_source {ex.get('data_source')!r}{index})"
-    what = getattr(score, "what", getattr(score, "__name__", "the reward function"))
+    what = named(score)
     try:
         value = score(text, ex)
+        if not isinstance(value, Reward):  # a score function of a test's own, or a rule's bare float
+            value = reward_value(value)
     except _NotANumber as e:
         returned, why = e.args
         raise RewardError(f"{what} {returned} for {row}: {why}") from None
@@ -169,6 +238,11 @@ def call(score, text, ex, which: str) -> float:
     if not math.isfinite(value):
         raise RewardError(f"{what} returned {value} for {row}: a reward must be finite")
     return value
+
+
+def named(score) -> str:
+    """How errors name a score function: its `what`, else its __name__."""
+    return getattr(score, "what", getattr(score, "__name__", "the reward function"))
 
 
 def agree(failed: RewardError | None) -> None:
@@ -222,15 +296,16 @@ def check_truths(cfg, examples, what: str = "training") -> None:
 
 
 def naive(score, texts, examples) -> list[float]:
-    """verl's naive reward manager: one call per response, in batch order (each through `call`). A row
-    without a ground truth (a logged row scored by a reward model) gets nan: no rule can judge it."""
+    """verl's naive reward manager: one call per response, in batch order (each through `call`: a Reward,
+    whose `info` holds a dict return's keys). A row without a ground truth (a logged row scored by a reward
+    model) gets nan: no rule can judge it."""
     return [call(score, text, ex, f"response {i} of the batch") if "ground_truth" in ex else float("nan")
             for i, (text, ex) in enumerate(zip(texts, examples))]
 
 
 # reward_model.reward_manager -> its loop. verl's `prime` calls the same function on the same
 # responses, only in parallel processes: the same scores, so it is the naive loop here
-REWARD_MANAGERS = {"naive": naive, "prime": naive}
+REWARD_MANAGERS = {"naive": naive, "prime": naive, "dapo": naive}  # each scores one response at a time
 
 
 def manager(cfg):

@@ -30,7 +30,7 @@ below read and update; no trainer class hierarchy.
 The two KL coefficients are controllers (nanokl/kl_ctrl.py): `run.kl_ctrl` is beta in the reward
 (fixed or adaptive, algorithm.kl_ctrl, following a target_kl schedule when one is given),
 `run.kl_loss_ctrl` the weight of the KL loss (actor.kl_loss_coef: fixed as in verl, or adaptive,
-steered by end_step toward actor.kl_loss_ctrl.target_kl from the step's actor/kl_loss). Both are saved in every
+steered by ppo_step toward actor.kl_loss_ctrl.target_kl from the step's actor/kl_loss). Both are saved in every
 checkpoint and restored on resume. The KL monitor's remedies act on them and on a few other knobs
 (nanokl/harness/remedies.py): an `adjust` turns one knob, a rollback follows its recipe (by
 default: reload the last healthy checkpoint and raise both coefficients).
@@ -42,7 +42,6 @@ are pure functions of the step, so "4 steps" and "2 steps, resume, 2 steps" are 
 (tests/test_train_ppo.py).
 """
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -56,17 +55,19 @@ from nanokl.advantages import ESTIMATORS
 from nanokl.batching import Batching
 from nanokl.harness import ref_check, remedies, summary, variants
 from nanokl.harness.checkpoint import latest_checkpoint, verify_checkpoint
-from nanokl.harness.config import config_to_dict, save_config
+from nanokl.harness.config_build import config_to_dict
 from nanokl.harness.config_io import UserError
-from nanokl.harness.config_rules import startup_notes
+from nanokl.harness.config_load import save_config
+from nanokl.harness.config_notes import startup_notes
 from nanokl.harness.data import check_loaded, drop_overlong, steps_per_epoch, without
 from nanokl.harness.generations import dump_rollout, gather, pick_val_generations
 from nanokl.harness.faults import Preemption, catch_preemption, inject
 from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
-from nanokl.harness.metrics import timer
+from nanokl.harness.metrics import timer, verl_tail
 from nanokl.harness.monitor import CHECKS, KLMonitor, warmup_steps
 from nanokl.harness.optim import make_optimizer
+from nanokl.harness.profile import StepProfiler
 from nanokl.harness.reward_fn import check_sources
 from nanokl.harness.scoring import validate
 from nanokl.harness.run_state import (TrainingStopped, _restore, release_lock, resume, resume_check, run_record,
@@ -74,8 +75,8 @@ from nanokl.harness.run_state import (TrainingStopped, _restore, release_lock, r
 from nanokl.harness.stages import load_rm, train_missing_stages
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
-from nanokl.harness.world import check_world as _check_world
-from nanokl.kl_ctrl import make_kl_controller, make_kl_loss_controller
+from nanokl.harness.world import check_world as _check_world, pick_device
+from nanokl.kl_ctrl import AdaptiveKLController, FixedKLController, make_kl_controller, make_kl_loss_controller
 from nanokl.fused import fuse_for_rollout
 from nanokl.graphs import KVBudgetError, make_engine
 from nanokl.model import compile_layers
@@ -96,7 +97,6 @@ class Run:
     tok: object
     train: list
     val: list
-    estimator: object  # advantages.ESTIMATORS[algorithm.adv_estimator]
     actor: torch.nn.Module
     ref: torch.nn.Module
     critic: torch.nn.Module | None  # None when the estimator needs no critic
@@ -106,22 +106,18 @@ class Run:
     actor_sched: object
     critic_opt: object
     critic_sched: object
-    kl_ctrl: object  # beta in the reward
-    kl_loss_ctrl: object  # the KL loss's coefficient (fixed, or adaptive: actor.kl_loss_ctrl)
+    kl_ctrl: FixedKLController | AdaptiveKLController  # beta in the reward
+    kl_loss_ctrl: FixedKLController | AdaptiveKLController  # the KL loss's weight (adaptive: actor.kl_loss_ctrl)
     rm: torch.nn.Module | None  # the learned reward model (reward_model.enable)
     monitor: KLMonitor | None
     tracker: Tracker | None
     specs: dict  # how each forward / update cuts its batch into micro-batches (batching.py)
     total_steps: int
     bypass: bool  # pi_old's log-probs are the rollout's own (workers.rollout_log_probs_are_old)
-    # the part that fills each replaceable step of ppo_step for this config (harness/variants.py)
+    # the parts of ppo_step that really vary, chosen for this config (harness/variants.py)
     respond: object
-    old_log_probs: object
-    values: object
-    correct: object
-    kl_reward: object
-    baselines: object
-    update_critic: object
+    rollout_correction: object
+    read_kl: object
     start: int = 0
     nan_streak: int = 0
     healthy_step: int | None = None  # the last checkpoint a rollback may return to
@@ -129,6 +125,8 @@ class Run:
     ref_probe: tuple | None = None  # (probe batch, the reference's log-probs on it at start): harness/ref_check.py
     ended: str | None = None  # how the run stopped early, for its summary (None: it ran to its last step)
     record: dict | None = None  # what the run was started with, kept in every checkpoint (run_state.run_record)
+    profiler: StepProfiler | None = None  # set by steps(): global_profiler.steps traced (harness/profile.py)
+    step_tokens: dict | None = None  # the step's token counts, for timing_per_token_ms/* (metrics.verl_tail)
 
 
 def batching_specs(cfg) -> dict:
@@ -180,7 +178,7 @@ def _setup(cfg) -> Run:
     d, arr, alg, t, c = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer, cfg.critic
     a, ro = arr.actor, arr.rollout
     rank, W, _ = dist.init()  # torchrun sets RANK / WORLD_SIZE; plain python is rank 0 of 1
-    device = dist.local_device(t.device)
+    device = pick_device(t.device)  # and says why, once, where auto finds a GPU it cannot use
     estimator = ESTIMATORS[alg.adv_estimator]
     needs_critic = estimator.needs_critic and a.loss_mode == "ppo"  # DPO has no advantages to estimate
     _check_world(cfg, W, needs_critic)
@@ -237,13 +235,15 @@ def _setup(cfg) -> Run:
     # models: the policy (actor), its frozen copy (reference), the critic
     model_path = Path(arr.model.path)
     actor_path = ckpt / "actor" if ckpt else model_path
-    actor = from_pretrained(actor_path, device=device).train()
+    over = arr.model.override_config  # verl's model.override_config: entries replacing config.json's
+    actor = from_pretrained(actor_path, device=device, overrides=over).train()
     actor.model.gradient_checkpointing = arr.model.enable_gradient_checkpointing
-    ref = from_pretrained(model_path, device=device)  # fp32, run under the actor's autocast (workers.autocast)
+    ref = from_pretrained(model_path, device=device, overrides=over)  # fp32, run under the actor's autocast (workers.autocast)
     ref.eval().requires_grad_(False)
     critic = None
     if needs_critic:
-        critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device, seed=t.seed).train()
+        critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device, seed=t.seed,
+                                  overrides=c.model.override_config).train()
         critic.model.gradient_checkpointing = c.model.enable_gradient_checkpointing  # read nowhere before
     # Rollout reads the policy's whole weights. A plain CPU actor (or a DDP replica) is used as is;
     # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
@@ -252,7 +252,8 @@ def _setup(cfg) -> Run:
     rollout_copy = device.type == "cuda" or dist.sharded(a.strategy)  # fsdp2 under torchrun, even at W=1
     if rollout_copy:
         dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
-        rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype).eval().requires_grad_(False))
+        rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype,
+                                                         overrides=over).eval().requires_grad_(False))
     if device.type == "cuda":  # verl's use_torch_compile: each decoder layer compiled (nanokl/model.py); CUDA only
         for model, on in ((actor, a.use_torch_compile), (ref, arr.ref.use_torch_compile),
                           (critic, a.use_torch_compile)):
@@ -266,7 +267,7 @@ def _setup(cfg) -> Run:
     ref = dist.wrap(ref, arr.ref.strategy, device, trainable=False, offload=ref_off[0])
     critic = dist.wrap(critic, c.strategy, device, offload=c_off[0]) if critic is not None else None
 
-    total_steps = t.total_training_steps or t.total_epochs * steps_per_epoch(len(train), d.train_batch_size)
+    total_steps = t.total_training_steps or t.total_epochs * steps_per_epoch(len(train), d.gen_batch_size)
     actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps, a_off[1])
     critic_opt, critic_sched = make_optimizer(critic, c.optim, total_steps, c_off[1]) if critic is not None else (None, None)
     km = t.kl_monitor
@@ -276,14 +277,14 @@ def _setup(cfg) -> Run:
         alg.rollout_correction.bypass_mode, same_numerics=not rollout_copy and device.type == "cpu",
         do_sample=ro.do_sample, temperature=ro.temperature)
     run = Run(cfg=cfg, rank=rank, world=W, device=device, run_dir=run_dir, tok=tok, train=train, val=val,
-              estimator=estimator, actor=actor, ref=ref, critic=critic, rollout_model=rollout_model,
+              actor=actor, ref=ref, critic=critic, rollout_model=rollout_model,
               rollout_copy=rollout_copy, actor_opt=actor_opt, actor_sched=actor_sched, critic_opt=critic_opt,
               critic_sched=critic_sched, kl_ctrl=make_kl_controller(alg.kl_ctrl),
               kl_loss_ctrl=make_kl_loss_controller(a),
               rm=load_rm(cfg, device) if cfg.reward_model.enable else None,
               monitor=KLMonitor(km, warmup_steps(cfg)) if km.enable else None, tracker=None, specs=batching_specs(cfg),
               total_steps=total_steps, bypass=bypass, record=record,
-              **variants.choose(cfg, critic=critic is not None, bypass=bypass))
+              **variants.choose(cfg))
     ref_check.check_setup(run)  # a reference sharing the actor's memory, or trainable: stop before any step
     run.ref_probe = ref_check.record(run)  # at every start: a resumed run reloads the reference from its path
     if ckpt:
@@ -315,6 +316,8 @@ def finish(run):
     """The end of a run, however it ended (main's last line; a NaN stop calls it before raising): close
     the tracker, then rank 0 writes summary.json beside metrics.jsonl and prints the summary
     (nanokl/harness/summary.py)."""
+    if run.profiler is not None:
+        run.profiler.close()  # a trace still open: the run stopped inside a profiled step
     run.tracker.close()
     if run.rank == 0:
         summary.report(run.run_dir, config_to_dict(run.cfg), run.ended or "finished")
@@ -330,19 +333,6 @@ def _max_samples(rows, n, shuffle=False, seed=0):
         return rows[:n]
     picked = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n]
     return [rows[i] for i in sorted(picked.tolist())]
-
-
-def steer_kl_loss(run, metrics) -> None:
-    """An adaptive KL-loss coefficient (actor.kl_loss_ctrl) moves toward its target from this step's
-    KL loss, actor/kl_loss, over the step's responses (kl_ctrl.py); with the on-policy probe
-    (algorithm.kl_probe, nanokl/kl_probe.py) from the corrected KL instead, as the reward's
-    controller does. A step without a KL loss (critic warm-up, a skipped non-finite update) leaves
-    it where it is."""
-    kl = float(metrics.get("actor/kl_loss", math.nan))
-    kl = float(metrics.get("kl_probe/kl_corrected", kl)) if math.isfinite(kl) else kl
-    if run.kl_loss_ctrl.kind == "adaptive" and math.isfinite(kl):
-        run.kl_loss_ctrl.update(kl, n_steps=run.cfg.data.train_batch_size * run.cfg.actor_rollout_ref.rollout.n)
-        metrics["actor/kl_loss_target"] = run.kl_loss_ctrl.target
 
 
 def validation(run, step) -> dict:
@@ -363,13 +353,15 @@ def validation(run, step) -> dict:
 def steps(run):
     """The remaining global steps, with a progress bar on rank 0. While they run, SIGTERM / SIGUSR1
     (a scheduler's preemption notice) only raise a flag that end_step honours (nanokl/harness/faults.py)."""
+    run.profiler = StepProfiler(run.cfg, run.rank, run.device, run.run_dir)
     with catch_preemption() as run.preempt:
         for step in tqdm(range(run.start, run.total_steps), desc="ppo", initial=run.start, total=run.total_steps,
                          file=sys.stderr, disable=run.rank != 0):
             inject(step, run.rank)  # test-only faults (NANOKL_FAULT); nothing when unset
             run.kl_ctrl.follow(step / run.total_steps)  # a target_kl schedule's target for this step
             run.kl_loss_ctrl.follow(step / run.total_steps)
-            yield step
+            with run.profiler.step(step + 1):  # verl's global step: traced when global_profiler.steps names it
+                yield step
 
 
 def _say(run, message):
@@ -390,7 +382,7 @@ def _log_row(run, metrics, step, timed=None):
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
             metrics[f"timing_s/{timed}"] = time.perf_counter() - t0
-        run.tracker.log(metrics, step=step)
+        run.tracker.log(verl_tail(metrics, run.step_tokens), step=step)
     return log
 
 
@@ -400,12 +392,13 @@ def end_step(run, step, metrics) -> bool:
     t = run.cfg.trainer
     done = step + 1
     last = done == run.total_steps
+    if run.profiler is not None:
+        run.profiler.saw(metrics)  # its summary reads the step's timing_s/* once the step is over
     if run.val and t.test_freq > 0 and (done % t.test_freq == 0 or last):
         with timer(metrics, "testing", run.device):
             metrics.update(validation(run, done))
     if run.kl_ctrl.kind == "adaptive" and run.cfg.algorithm.use_kl_in_reward:
         metrics["actor/target_kl"] = run.kl_ctrl.target  # moves with a schedule or an adjust
-    steer_kl_loss(run, metrics)
     run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
     if run.nan_streak >= MAX_NAN_STEPS:
         path = save(run, done, healthy=False, before_commit=_log_row(run, metrics, done))
@@ -445,7 +438,7 @@ def end_step(run, step, metrics) -> bool:
         path = save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe,
                     before_commit=_log_row(run, metrics, done, timed="save_checkpoint"))
     else:
-        run.tracker.log(metrics, step=done)
+        run.tracker.log(verl_tail(metrics, run.step_tokens), step=done)
     if preempted and not last:
         run.ended = f"preempted after step {done}"
         _say(run, f"preempted ({run.preempt.signal or 'another rank was signalled'}): step {done} finished and "

@@ -24,7 +24,9 @@ The run's folder (the second half of this file): one run at a time, and nothing 
   set aside     a run that starts over (no checkpoint, or resume_mode=disable) in a folder holding an
                 earlier run's metrics.jsonl, val_generations.jsonl, summary.json or checkpoints
                 renames them to metrics.1.jsonl, ..., checkpoints.1 (one note): the folder's files
-                then describe this run alone
+                then describe this run alone. Checkpoints in verl's layout (global_step_N/ and
+                latest_checkpointed_iteration.txt in the folder itself) move into checkpoints.1/, with
+                the old layout's checkpoints/ folder if there is one
 """
 
 import atexit
@@ -38,9 +40,9 @@ from pathlib import Path
 
 from nanokl import dist
 from nanokl.harness import remedies
-from nanokl.harness.checkpoint import (CheckpointWriteError, _sha256, load_state, read_record, rng_state,
-                                       save_checkpoint, set_rng_state)
-from nanokl.harness.config import config_to_dict
+from nanokl.harness.checkpoint import (LEGACY_ROOT, POINTER, CheckpointWriteError, _sha256, load_state, read_record,
+                                       rng_state, save_checkpoint, set_rng_state)
+from nanokl.harness.config_build import config_to_dict
 from nanokl.harness.config_io import UserError
 from nanokl.harness.hf_format import from_pretrained, load_value_model, read_config
 from nanokl.harness.tracking import GENERATIONS
@@ -106,7 +108,7 @@ def save(run, step, healthy=True, before_commit=None) -> Path:
     state = {"kl_ctrl": run.kl_ctrl.state_dict(), "kl_loss_ctrl": run.kl_loss_ctrl.state_dict(), "rng": rng_state(),
              "nan_streak": run.nan_streak, "healthy_step": run.healthy_step,
              **({"monitor": run.monitor.state_dict()} if run.monitor else {})}
-    path, failed = run.run_dir / "checkpoints" / f"global_step_{step}", None
+    path, failed = run.run_dir / f"global_step_{step}", None  # verl's layout (checkpoint.save_checkpoint)
     if run.rank == 0:
         try:
             path = save_checkpoint(run.run_dir, step, weights, optim, state, tokenizer=run.tok,
@@ -231,12 +233,12 @@ SPEED_ONLY_NAMES = {
     "entropy_from_logits_with_chunking", "entropy_checkpointing", "use_cuda_graph", "enforce_eager",
     "max_batch_size", "gpu_memory_utilization", "dataloader_num_workers", "filter_overlong_prompts_workers",
     "nccl_timeout"}
-SPEED_ONLY_PARTS = (".fsdp_config.", ".checkpoint.", ".profiler.", ".fused_kernel_options.")
+SPEED_ONLY_PARTS = (".fsdp_config.", ".checkpoint.", ".profiler.", ".global_profiler.", ".fused_kernel_options.")
 SPEED_ONLY_KEYS = {"data.val_batch_size", *(f"trainer.{k}" for k in (
     "logger", "project_name", "experiment_name", "save_freq", "test_freq", "total_training_steps", "total_epochs",
     "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep", "log_freq", "log_val_generations", "validation_data_dir",
     "rollout_data_dir", "val_before_train", "val_only", "val_kl_prompts", "n_gpus_per_node", "nnodes", "device",
-    "balance_batch"))}
+    "balance_batch", "profile_steps"))}
 MODEL_PATH = "actor_rollout_ref.model.path"
 
 
@@ -333,7 +335,8 @@ def resume_check(ckpt, record: dict, allow=()) -> list[str]:
     return notes
 
 
-ASIDE = ("metrics.jsonl", GENERATIONS, "summary.json", "checkpoints")  # what an earlier run leaves in the folder
+ASIDE = ("metrics.jsonl", GENERATIONS, "summary.json", LEGACY_ROOT)  # what an earlier run leaves in the folder
+# (LEGACY_ROOT: the checkpoints, in either layout: verl's global_step_N/ and its tracker move into checkpoints.N/)
 
 
 def _aside_name(name, n):
@@ -347,15 +350,29 @@ def set_aside(run_dir, why: str) -> str | None:
     own; the note that says so, or None when there was nothing to set aside."""
     run_dir = Path(run_dir)
 
+    def ckpts(d):  # a run's checkpoints in folder d (debris included), and its tracker file
+        return [*d.glob("global_step_*"), *([d / POINTER] if (d / POINTER).is_file() else [])]
+
     def present(p):
+        if p.name == LEGACY_ROOT:  # only the old layout's own: a checkpoints/ folder of other runs' folders stays
+            return p.is_dir() and bool(ckpts(p))
         return any(p.iterdir()) if p.is_dir() else p.is_file() and p.stat().st_size > 0
-    found = [name for name in ASIDE if present(run_dir / name)]
+    verl = ckpts(run_dir)
+    found = [name for name in ASIDE if present(run_dir / name) or (name == LEGACY_ROOT and verl)]
     if not found:
         return None
     n = 1
     while any((run_dir / _aside_name(name, n)).exists() for name in ASIDE):
         n += 1
     for name in found:
-        os.replace(run_dir / name, run_dir / _aside_name(name, n))
+        if present(run_dir / name):
+            os.replace(run_dir / name, run_dir / _aside_name(name, n))
+    if verl:  # verl's layout: into checkpoints.N/ beside the old layout's (a name in both: the old one as NAME.legacy)
+        into = run_dir / _aside_name(LEGACY_ROOT, n)
+        into.mkdir(exist_ok=True)
+        for p in verl:
+            if (into / p.name).exists():
+                os.replace(into / p.name, into / f"{p.name}.legacy")
+            os.replace(p, into / p.name)
     return (f"note: {run_dir} holds an earlier run's {', '.join(found)} and this run starts over ({why}): set aside "
             f"as {', '.join(_aside_name(name, n) for name in found)}")

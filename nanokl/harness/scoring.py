@@ -31,13 +31,19 @@ estimate from responses another policy sampled (nanokl/offline.py), it is the ch
 Validation always uses the score function, never the reward model
 (`val-core/<data_source>/acc/mean@n`, greedy by default): it is the ground truth the reward model
 is trying to learn. Under torchrun rank r takes every W-th held-out prompt and the sums are
-all-reduced, so the accuracy is over the whole held-out set.
+all-reduced, so the accuracy is over the whole held-out set. A score function that returns verl's
+dict ({"score", "acc", "pred", ...}; reward_fn.Reward) is read as verl reads it: the reward is
+"score", the accuracy (val-core, and the rule's accuracy a step returns) is "acc" when present, and
+validation averages every numeric key under verl's names (val-aux/<data_source>/<key>/mean@n, the
+score as .../reward/...); a training step logs none of them, as verl's does not.
 
 tests/test_scoring.py checks that reward_model.max_length keeps each row's last real tokens;
-tests/test_reward_fn.py, each score against a hand loop over the score function, on its last token.
+tests/test_reward_fn.py, each score against a hand loop over the score function, on its last token;
+tests/test_dict_rewards.py, dict rewards in the step and in validation against verl's loop.
 """
 
 import math
+import numbers
 
 import torch
 
@@ -48,12 +54,24 @@ from nanokl.masked import masked_mean
 from nanokl.rewards import overlong_penalty, token_level_scores
 from nanokl.workers import compute_log_probs
 from nanokl.harness import reward_fn
-from nanokl.harness.data import build_prompts
-from nanokl.harness.generations import dump_rollout, prompt_texts
+from nanokl.harness.data import encode_prompts
+from nanokl.harness.generations import dump_rollout, gather, prompt_texts
 from nanokl.harness.metrics import add_stats
-from nanokl.harness.val_metrics import metric_key, metric_names, prompt_metrics
-from nanokl.graphs import generate
+from nanokl.harness.val_metrics import prompt_metrics, source_metrics
+from nanokl.rollout import generate
 from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
+
+
+def sample(model, tok, examples, cfg, device, *, n=1, generator=None, **sampling):
+    """n responses to each example's prompt (encoded as data.* asks) from `model`, with the rollout's
+    sampling settings (actor_rollout_ref.rollout) unless `sampling` overrides them (validation's
+    val_kwargs, ReMax's greedy pass)."""
+    ro = cfg.actor_rollout_ref.rollout
+    ids, mask = encode_prompts(examples, tok, cfg.data, device)
+    settings = dict(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p, do_sample=ro.do_sample,
+                    use_cuda_graph=ro.use_cuda_graph) | sampling
+    return generate(dist.unwrap(model), ids, mask, ro.response_length, eos_token_id=tok.eos_token_ids,
+                    pad_token_id=tok.pad_token_id, generator=generator, n=n, **settings)
 
 
 def score_batch(tok, out, examples, cfg, rm=None, global_step=None, metrics=None):
@@ -63,16 +81,21 @@ def score_batch(tok, out, examples, cfg, rm=None, global_step=None, metrics=None
     length penalty is added to the reward (into `metrics`, when given: critic/overlong_penalty/*
     and critic/overlong_fraction). Each score sits on its response's last token.
     With trainer.rollout_data_dir and the step's `global_step`, the batch is written there.
-    Returns (token-level scores, reward per response, rule score per response)."""
+    Returns (token-level scores, reward per response, the rule's accuracy per response: the "acc" of a
+    dict reward (verl's, e.g. tasks/math_dapo.py's 0/1 beside its +-1 score), else its score; what
+    critic/rule_score logs and algorithm.filter_groups.metric=acc reads, as verl's DAPO trainer reads the
+    "acc" of reward_extra_info). verl logs no other key of a dict reward per training step: none is here.
+    """
     texts = tok.batch_decode(out.responses, out.response_mask)
     # (logged rows scored by a reward model may carry no ground truth: their rule score is nan, not logged)
     score, failed = reward_fn.scorer(cfg), None
     try:  # a raising, non-numeric or non-finite reward stops every rank here (RewardError: train_ppo.main saves)
-        rule = torch.tensor(reward_fn.manager(cfg)(score, texts, examples))
+        rewards = reward_fn.manager(cfg)(score, texts, examples)
     except reward_fn.RewardError as e:
         failed = e
     reward_fn.agree(failed)
-    scores = rule
+    scores = torch.tensor(rewards)
+    rule = torch.tensor([reward_fn.accuracy(r) for r in rewards])
     if rm is not None:
         mask = keep_last_tokens(out.attention_mask, cfg.reward_model.max_length)
         scores = score_with_rm(rm, out.sequences, mask, cfg.reward_model.micro_batch_size_per_gpu).cpu()
@@ -97,30 +120,33 @@ def score_batch(tok, out, examples, cfg, rm=None, global_step=None, metrics=None
 
 @torch.no_grad()
 def validate(model, tok, val, cfg, device, ref=None, samples=None):
-    """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n.
-    Rank r scores prompts r, r+W, r+2W, ...; the sums are reduced over ranks. With val_kwargs.n > 1,
-    also verl's best@k / worst@k / maj@k (`at_k`). Given the reference `ref` and
-    trainer.val_kl_prompts > 0, also the on-policy KL (`on_policy_kl`). Given a list `samples`, this
-    rank's (input, output, score, ground truth) of every response are appended to it."""
+    """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n,
+    the "acc" of a dict reward (verl's core variable), else the score. Rank r scores prompts r, r+W,
+    r+2W, ...; the sums are reduced over ranks. With val_kwargs.n > 1, also verl's best@k / worst@k /
+    maj@k (harness/val_metrics.py). A dict reward's other numbers are averaged too, as verl's
+    _validate does: val-aux/<src>/reward/... (the score), val-aux/<src>/<key>/... (every numeric key,
+    "score" included); maj@k votes on the task's answers, else on the dict's "pred". Given the reference
+    `ref` and trainer.val_kl_prompts > 0, also the on-policy KL (`on_policy_kl`). Given a list
+    `samples`, this rank's (input, output, score, ground truth) of every response are appended to it."""
     vk = cfg.actor_rollout_ref.rollout.val_kwargs
     score, answer = reward_fn.scorer(cfg), reward_fn.answerer(cfg)
     sources = sorted({ex["data_source"] for ex in val})
-    totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) per source, then response lengths
-    names = metric_names(vk.n, with_maj=answer is not None)[1:]  # mean@n is the totals' (the same number)
-    at_k = torch.zeros(len(sources), len(names) + 1, dtype=torch.float64)  # per source: sums over prompts, prompts
+    totals = torch.zeros(len(sources) + 1, 2)  # (sum, count) of the accuracy per source, then response lengths
+    prompts = []  # this rank's prompts: (source, what its responses returned, {variable: prompt_metrics})
     mine = val[dist.rank()::dist.world()]
     try:  # a failing reward function (reward_fn.call) stops every rank after its loop: no collective inside
-        _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, totals, names, at_k, samples)
+        _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, totals, prompts, samples)
         failed = None
     except reward_fn.RewardError as e:
         failed = e
     reward_fn.agree(failed)
     totals = dist.all_reduce(totals)
     metrics = {f"val-core/{src}/acc/mean@{vk.n}": (s / n).item() for src, (s, n) in zip(sources, totals) if n > 0}
-    if names:  # verl's names: val-core for best / maj at k = n, val-aux for the rest (harness/val_metrics.py)
-        at_k = dist.all_reduce(at_k)
-        metrics.update({metric_key(src, "acc", name, vk.n, "acc"): (row[i] / row[-1]).item()
-                        for src, row in zip(sources, at_k) if row[-1] > 0 for i, name in enumerate(names)})
+    prompts, shapes = gather(prompts), {}  # every rank's, in rank order: the same list, and metrics, on each
+    for src, shape, _ in prompts:  # (each rank has checked its own; this, the ranks against each other)
+        _same_shape(shapes, src, shape, reward_fn.named(score), "on another rank")
+    for key, value in source_metrics([(src, variables) for src, _, variables in prompts]).items():
+        metrics.setdefault(key, value)  # acc's mean@n is the totals' (the same number, summed per response)
     if totals[-1, 1] > 0:
         metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
     if ref is not None and cfg.trainer.val_kl_prompts:
@@ -128,32 +154,73 @@ def validate(model, tok, val, cfg, device, ref=None, samples=None):
     return metrics
 
 
-def _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, totals, names, at_k, samples):
+def _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, totals, prompts, samples):
     """validate's loop over this rank's held-out prompts, val_batch_size at a time: adds to `totals`,
-    `at_k` and `samples` in place."""
-    d, vk = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs
+    `prompts` and `samples` in place."""
+    d, vk, ob = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs, cfg.reward_model.overlong_buffer
+    shapes = {}  # data source -> what its first response returned (_shape)
+    gen = torch.Generator(device).manual_seed(cfg.trainer.seed + dist.rank())  # once: each chunk draws anew
     for i in range(0, len(mine), d.val_batch_size):
         chunk = mine[i:i + d.val_batch_size]
-        ids, mask = build_prompts(chunk, tok, d.prompt_template, d.max_prompt_length, d.truncation, device=device)
-        out = generate(model, ids, mask, cfg.actor_rollout_ref.rollout.response_length, temperature=vk.temperature,
-                       top_k=vk.top_k, top_p=vk.top_p, do_sample=vk.do_sample and vk.temperature > 0,
-                       eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, n=vk.n,
-                       generator=torch.Generator(device).manual_seed(cfg.trainer.seed + dist.rank()))
+        out = sample(model, tok, chunk, cfg, device, n=vk.n, temperature=vk.temperature, top_k=vk.top_k,
+                     top_p=vk.top_p, do_sample=vk.do_sample and vk.temperature > 0, use_cuda_graph=None,
+                     generator=gen)
         texts = tok.batch_decode(out.responses, out.response_mask)
-        hits = [reward_fn.call(score, text, chunk[j // vk.n], f"validation response {i * vk.n + j} of this rank")
-                for j, text in enumerate(texts)]
-        for j, hit in enumerate(hits):
-            totals[sources.index(chunk[j // vk.n]["data_source"])] += torch.tensor([hit, 1.0])
-        for p in range(len(chunk) if names else 0):  # val_kwargs.n > 1: each prompt's bootstrap over its n
+        which = [f"validation response {i * vk.n + j} of this rank" for j in range(len(texts))]
+        rewards = [reward_fn.call(score, text, chunk[j // vk.n], which[j]) for j, text in enumerate(texts)]
+        # DAPO's overlong penalty shapes the reward in validation too, as verl's reward manager adds it there
+        # (acc and a dict's score stay unshaped)
+        shaping = [0.0] * len(texts) if not ob.enable else overlong_penalty(
+            out.response_mask.sum(-1).cpu(), cfg.actor_rollout_ref.rollout.response_length, ob.len,
+            ob.penalty_factor).tolist()
+        for j, reward in enumerate(rewards):
+            totals[sources.index(chunk[j // vk.n]["data_source"])] += torch.tensor([reward.acc, 1.0])
+            _same_shape(shapes, chunk[j // vk.n]["data_source"], _shape(reward), reward_fn.named(score),
+                        f"for {which[j]}")
+        for p, ex in enumerate(chunk):  # each prompt's numbers over its n responses (val_metrics.prompt_metrics)
             mine_n = slice(p * vk.n, (p + 1) * vk.n)
-            votes = None if answer is None else [answer(t, chunk[p]) for t in texts[mine_n]]
-            per = prompt_metrics(hits[mine_n], votes)
-            at_k[sources.index(chunk[p]["data_source"])] += torch.tensor([per[k] for k in names] + [1.0],
-                                                                         dtype=torch.float64)
+            votes = None
+            if vk.n > 1 and answer is not None:  # maj@k: the task's answers, else verl's "pred" of a dict reward
+                votes = [answer(t, ex) for t in texts[mine_n]]
+            elif vk.n > 1 and all("pred" in r.info for r in rewards[mine_n]):
+                votes = [r.info["pred"] for r in rewards[mine_n]]
+            per_response = [_variables(r, pen) for r, pen in zip(rewards[mine_n], shaping[mine_n])]
+            prompts.append((ex["data_source"], _shape(rewards[p * vk.n]),
+                            {var: prompt_metrics([v[var] for v in per_response], votes) for var in per_response[0]}))
         if samples is not None:
-            samples.extend(zip(prompt_texts(tok, out), texts, hits,
+            samples.extend(zip(prompt_texts(tok, out), texts, [float(r) + pen for r, pen in zip(rewards, shaping)],
                                [chunk[j // vk.n].get("ground_truth") for j in range(len(texts))]))
         totals[-1] += torch.tensor([out.response_mask.sum().item(), float(len(texts))])
+
+
+def _variables(reward, shaping=0.0) -> dict:
+    """What validation averages of one response (verl's reward_extra_infos_dict entry): "acc" (the dict's,
+    else the score); for a dict reward also "reward" (the score plus the overlong `shaping`) and each of its
+    numeric or bool keys."""
+    out = {"acc": reward.acc}
+    if reward.info:
+        out["reward"] = float(reward) + shaping
+        out.update({k: float(v) for k, v in reward.info.items() if k != "acc" and isinstance(v, numbers.Real)})
+    return out
+
+
+def _shape(reward) -> str:
+    """What a reward function returned, as far as validation's variables go: "a number", or "a dict with
+    <its numeric keys>"."""
+    keys = sorted(k for k, v in reward.info.items() if isinstance(v, numbers.Real))
+    return f"a dict with {', '.join(map(repr, keys))}" if reward.info else "a number"
+
+
+def _same_shape(shapes, source, shape, what, where):
+    """A response of `source` returned the same shape (_shape) as the first of its source did (`shapes`:
+    source -> that shape, filled here), else a RewardError: verl's validation averages each key over all
+    of a source's responses (its _validate asserts one value per response)."""
+    first = shapes.setdefault(source, shape)
+    if shape != first:
+        raise reward_fn.RewardError(
+            f"{what} returned {shape} {where} (data_source {source!r}) but {first} for another of its "
+            "validation responses: every response of a data source must return the same keys "
+            "(verl's validation averages each key over all of them)")
 
 
 @torch.no_grad()
@@ -166,11 +233,7 @@ def on_policy_kl(model, ref, tok, val, cfg, device) -> dict:
     gen = torch.Generator(device).manual_seed(cfg.trainer.seed + 7919 + dist.rank())
     moments = torch.zeros(3, dtype=torch.float64)  # sum, sum of squares, count of per-response KLs
     for i in range(0, len(mine), d.val_batch_size):
-        ids, mask = build_prompts(mine[i:i + d.val_batch_size], tok, d.prompt_template, d.max_prompt_length,
-                                  d.truncation, device=device)
-        out = generate(model, ids, mask, ro.response_length, temperature=ro.temperature, top_k=ro.top_k,
-                       top_p=ro.top_p, do_sample=ro.do_sample, eos_token_id=tok.eos_token_ids,
-                       pad_token_id=tok.pad_token_id, generator=gen)
+        out = sample(model, tok, mine[i:i + d.val_batch_size], cfg, device, generator=gen, use_cuda_graph=None)
         batch = {"sequences": out.sequences, "attention_mask": out.attention_mask, "position_ids": out.position_ids,
                  "responses": out.responses, "response_mask": out.response_mask}
         ref_logp, _ = compute_log_probs(ref, batch, ro.temperature)

@@ -3,9 +3,20 @@
 Every PPO step produces a flat dict of floats under verl's metric names (`actor/ppo_kl`,
 `critic/score/mean`, `timing_s/gen`, ...). `Tracker` appends it as one JSON object per line to
 `<run dir>/metrics.jsonl` (with `training/global_step`), the file that nanokl/harness/plot.py, the tests
-and the README's numbers read; prints a one-line summary through tqdm so the progress bar stays
-intact; and forwards it to TensorBoard or Weights & Biases only when the package is installed and
+and the README's numbers read; prints a line per step through tqdm so the progress bar stays intact;
+and forwards it to TensorBoard or Weights & Biases only when the package is installed and
 `trainer.logger` asks for it (verl's `Tracking` does the same with more backends).
+
+The console line, one per step (and one per validation row), under `console` in trainer.logger:
+- verl's (`verl_console_line`), as verl's console logger prints it (verl/utils/logger/aggregate_logger.py
+  `concat_dict_to_str`): `step:N - training/global_step:N - actor/pg_loss:-0.0123... - ...`, every
+  numeric metric of the row in its order, each value as `pprint.pformat` writes it (repr: full
+  precision; ints as ints, nan as nan), strings left out; on stdout, as verl prints it. That is what
+  a verl command gets: `trainer.logger=console`, `['console','wandb']`, or no logger key at all;
+- nanokl's short line (`console_line`: score, val, kl, beta, ..., seconds) on stderr, when the list
+  also names nanokl's own `jsonl` (the CPU demo's `[console, jsonl]`, configs/*.yaml): the demo reads
+  a handful of numbers per step, the full row is in metrics.jsonl.
+Never both: verl's line holds every number of the short one.
 
 Validation samples (trainer.log_val_generations; which ones: nanokl/harness/generations.py) are
 text, not numbers, so they go beside metrics.jsonl, not into it: `log_generations` appends one
@@ -24,7 +35,9 @@ checkpoint commits (harness/run.py), so no checkpoint is without its row.
 
 import json
 import math
+import numbers
 import os
+import pprint
 import sys
 from pathlib import Path
 
@@ -54,6 +67,19 @@ def console_line(step, metrics: dict) -> str:
         elif key in metrics:
             parts.append(f"{label} {fmt.format(metrics[key])}")
     return " | ".join(parts)
+
+
+def verl_console_line(step, metrics: dict) -> str:
+    """verl's console logger line (concat_dict_to_str): `step:{step}`, then `key:value` for each number of
+    `metrics` in its order, the value as pprint.pformat writes it, joined by ' - '."""
+    return " - ".join([f"step:{step}"] + [f"{k}:{pprint.pformat(v)}" for k, v in metrics.items()
+                                          if isinstance(v, numbers.Number)])
+
+
+def console_style(backends) -> str | None:
+    """Which console line trainer.logger asks for: "verl", "short" (with nanokl's jsonl too), or None."""
+    backends = set(backends)
+    return None if "console" not in backends else "short" if "jsonl" in backends else "verl"
 
 
 def drop_rows_after(path, step: int, key: str = "training/global_step") -> int:
@@ -94,6 +120,7 @@ class Tracker:
     def __init__(self, run_dir, backends=("console", "jsonl"), config: dict | None = None, enabled=True,
                  project="nanokl", experiment="default", resume_step: int | None = None):
         self.enabled, self.backends = enabled, set(backends)
+        self.console = console_style(self.backends)
         self.file = self.tb = self.wandb = self.generations = self.table = None
         if not enabled:
             return
@@ -126,7 +153,11 @@ class Tracker:
         row = {"training/global_step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()  # a crash loses no logged step
-        if "console" in self.backends:
+        if self.console == "verl":
+            plain = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}  # nan stays nan
+            tqdm.write(verl_console_line(step, {"training/global_step": step, **plain}), file=sys.stdout)
+            sys.stdout.flush()
+        elif self.console == "short":
             tqdm.write(console_line(step, metrics), file=sys.stderr)
         for k, v in row.items():
             if self.tb is not None and isinstance(v, (int, float)):

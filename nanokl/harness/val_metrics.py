@@ -29,9 +29,15 @@ process_validation_metrics): the same draws from a local RandomState(seed), so t
 RNG is not reseeded at every call as verl's np.random.seed(seed) does; see README, 'Where nanokl
 differs from verl'. Like verl, every prompt and every k reuse the one seed, so all prompts with the
 same n are resampled with the same index rows.
+
+Which variables. verl averages every numeric key a reward function returns in a dict (its
+reward_extra_info) besides the reward itself (`reward`); `acc`, when returned, is the core one. nanokl
+does the same (nanokl/harness/scoring.py: validate): `acc` is the dict's "acc", or the score of a reward
+that is a plain number (which verl would name `reward`: nanokl keeps the name its tools read); `reward`,
+`score` and the other numeric keys of a dict reward are val-aux. `source_metrics` averages each over the
+prompts of its data source, as verl's process_validation_metrics does.
 """
 
-from collections import defaultdict
 from functools import lru_cache
 
 import numpy as np
@@ -110,24 +116,21 @@ def metric_key(data_source: str, var: str, name: str, n_max: int, core_var: str)
     return f"{'val-core' if core else 'val-aux'}/{data_source}/{var}/{name}"
 
 
-def validation_metrics(data_sources, uids, infos: dict, answers=None, n_bootstrap: int = 1000, seed: int = 42,
-                       replace: bool = True) -> dict:
-    """verl's process_validation_metrics and its naming, in one process. One entry per response:
-    data_sources, uids (the prompt of each response), infos {variable: numbers} (e.g. {"acc": ...}),
-    answers (extracted answers, for maj@k) or None. Returns {full metric name: mean over prompts}."""
-    rows = defaultdict(list)  # (source, uid) -> its responses, in order
-    for i, key in enumerate(zip(data_sources, uids)):
-        rows[key].append(i)
-    per_prompt = defaultdict(lambda: defaultdict(list))  # (source, var) -> name -> one value per prompt
-    for (src, _), members in rows.items():
-        votes = None if answers is None else [answers[i] for i in members]
-        for var, values in infos.items():
-            for name, v in prompt_metrics([values[i] for i in members], votes, n_bootstrap, seed, replace).items():
-                per_prompt[src, var][name].append(v)
+def source_metrics(prompts) -> dict:
+    """verl's process_validation_metrics from per-prompt numbers, under its names: `prompts` holds, for every
+    held-out prompt, (data source, {variable: prompt_metrics of its n values}); each metric is averaged over
+    the prompts of its source (in the order given) and named by metric_key with "acc" the core variable.
+    Sources come out sorted, each one's variables and metrics in the order its prompts first gave them."""
+    sums = {}  # source -> variable -> metric name -> [sum over prompts, prompts]
+    for source, variables in prompts:
+        for var, values in variables.items():
+            for name, value in values.items():
+                total = sums.setdefault(source, {}).setdefault(var, {}).setdefault(name, [0.0, 0])
+                total[0] += value
+                total[1] += 1
     out = {}
-    for (src, var), by_name in per_prompt.items():
-        core_var = "acc" if "acc" in infos else "reward"
-        n_max = max(int(name.split("@")[1].split("/")[0]) for name in by_name)
-        for name, vals in by_name.items():
-            out[metric_key(src, var, name, n_max, core_var)] = float(np.mean(vals))
+    for source in sorted(sums):
+        for var, by_name in sums[source].items():
+            n_max = max(int(name.split("@")[1].split("/")[0]) for name in by_name)
+            out.update({metric_key(source, var, name, n_max, "acc"): s / count for name, (s, count) in by_name.items()})
     return out

@@ -1,32 +1,25 @@
-"""The interchangeable parts of a PPO step, and which ones a config gets (chosen once, in setup).
+"""The parts of a PPO step that really vary between configs, each chosen once in setup.
 
-train_ppo.py's `ppo_step` is one path. Where configs differ, a step is *replaced*, never branched
-inside: `choose(cfg, ...)` picks one function for each part below, and the step calls it. Each part
-is a few lines of plumbing (the run's models, config and timers) around a lesson function:
+train_ppo.py's `ppo_step` is one path, with a plain named `if` where a config turns a step on or
+off (a critic, the KL in the reward, ReMax's greedy baseline). Three steps have real alternatives,
+and `choose(cfg)` picks one function for each; the step calls `run.<part>`:
 
-    part            choices                                                 lesson
-    respond         sample_responses (online) | logged_responses (offline)  rollout.py / harness/logged.py
-                    | sample_kept_groups (DAPO's dynamic sampling:          sampling.py
-                    algorithm.filter_groups)
-    old_log_probs   recompute_old (+ compare with the rollout's, online) |  workers.py
-                    rollout_old (the sampler is the fp32 actor: bypass)
-    values          critic_values | no_values (GRPO, RLOO: no critic)       workers.py
-    correct         no_correction | token_is (truncated per-token weights)  offline.py
-                    | sequence_is (the response's truncated product), each
-                    optionally followed by rejection (rollout_rs: tokens
-                    leave response_mask)
-    kl_reward       kl_in_reward (an estimator) | exact_kl_in_reward         rewards.py
-                    (`full`) | scores_only (KL in the loss, or nowhere);
-                    the KL the controller reads: logged_kl (the step's) | kl_probe.py
-                    probed_kl (plus the smoothed gap to an on-policy
-                    probe: algorithm.kl_probe)
-    baselines       no_baselines | greedy_baselines (remax: the score of    advantages.py
-                    each prompt's greedy response)
-    update_critic   critic_update | no_critic_update                        workers.py
+    part                choices                                              lesson
+    respond             sample_responses (online) | logged_responses          rollout.py / harness/logged.py
+                        (offline: nothing is generated) | sample_kept_groups   sampling.py
+                        (DAPO's dynamic sampling: algorithm.filter_groups)
+    rollout_correction  no_correction | token_weights (truncated per-token     offline.py
+                        weights) | sequence_weights (the response's truncated
+                        product), each optionally followed by rejection
+                        (rollout_rs: tokens leave response_mask)
+    read_kl             logged_kl (the step's own KL; importance-weighted on   offline.py
+                        responses another policy sampled) | probed_kl (plus     kl_probe.py
+                        the smoothed gap to an on-policy probe: algorithm.kl_probe)
 
-Every part returns what it makes; a part that times itself writes `timing_s/<name>` into the
-step's metrics (only parts that do work time themselves, so a run without a critic logs no
-critic timings).
+Beside them, what the step calls for its optional work: `exact_kl` (kl_penalty `full`: the KL over
+the vocabulary from both models' logits), `reward_kl_metrics` (what the KL monitor reads of the
+reward's KL) and `greedy_baselines` (ReMax). A part that does work times itself as
+`timing_s/<name>` in the step's metrics.
 """
 
 import functools
@@ -37,19 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from nanokl import dist, workers
-from nanokl.advantages import ESTIMATORS
-from nanokl.graphs import generate
-from nanokl.harness.data import build_prompts, rank_rows
+from nanokl.harness.data import encode_prompts, rank_rows, step_seed
 from nanokl.harness.logged import draw_responses, logged_batch
 from nanokl.harness.metrics import global_var, timer
 from nanokl.harness.run_state import TrainingStopped
-from nanokl.harness.scoring import score_batch
+from nanokl.harness.scoring import sample, score_batch
 from nanokl.kl import kl_penalty
 from nanokl.kl_probe import ProbeState, corrected_kl, probe_stats, probe_sums
 from nanokl.masked import masked_mean
 from nanokl.offline import (IS_LEVELS, behaviour_log_probs, is_metrics_from_sums, is_sums, rejection_mask,
                             rs_metrics_from_sums, rs_sums, weighted_kl)
-from nanokl.rewards import apply_exact_kl_penalty, apply_kl_penalty
 from nanokl.rollout import RolloutOutput
 from nanokl.sampling import GroupBuffer, cat_rows
 
@@ -58,14 +48,10 @@ from nanokl.sampling import GroupBuffer, cat_rows
 
 def sample_responses(run, rows, step, generator, metrics):
     """n responses per prompt from the current policy; returns (out, each response's example)."""
-    d, ro = run.cfg.data, run.cfg.actor_rollout_ref.rollout
+    n = run.cfg.actor_rollout_ref.rollout.n
     examples = [run.train[i] for i in rows]
-    ids, mask = build_prompts(examples, run.tok, d.prompt_template, d.max_prompt_length, d.truncation,
-                              device=run.device)
-    out = generate(dist.unwrap(run.rollout_model), ids, mask, ro.response_length, temperature=ro.temperature,
-                   top_k=ro.top_k, top_p=ro.top_p, do_sample=ro.do_sample, eos_token_id=run.tok.eos_token_ids,
-                   pad_token_id=run.tok.pad_token_id, generator=generator, use_cuda_graph=ro.use_cuda_graph, n=ro.n)
-    return out, [ex for ex in examples for _ in range(ro.n)]
+    out = sample(run.rollout_model, run.tok, examples, run.cfg, run.device, n=n, generator=generator)
+    return out, [ex for ex in examples for _ in range(n)]
 
 
 def logged_responses(run, rows, step, generator, metrics):
@@ -88,8 +74,9 @@ def sample_kept_groups(run, rows, step, generator, metrics):
     d, n, fg = run.cfg.data, run.cfg.actor_rollout_ref.rollout.n, run.cfg.algorithm.filter_groups
     buffer, sampled = GroupBuffer(len(rows), fg.max_num_gen_batches), 0
     for k in itertools.count():
-        if k:  # the next generation batch, as verl's DAPO trainer draws the dataloader's next one
-            rows = rank_rows(len(run.train), d.train_batch_size, step + k, d.seed, d.shuffle, run.rank, run.world)
+        if k or d.gen_batch_size != d.train_batch_size:  # each round draws data.gen_batch_size prompts, as
+            # verl's DAPO trainer draws its dataloader's next batch
+            rows = rank_rows(len(run.train), d.gen_batch_size, step + k, d.seed, d.shuffle, run.rank, run.world)
         out, examples = sample_responses(run, rows, step, generator, metrics)
         token_scores, scores, rule = score_batch(run.tok, out, examples, run.cfg, run.rm)
         metric = {"acc": rule, "score": scores, "seq_reward": token_scores.sum(-1)}[fg.metric]
@@ -133,52 +120,18 @@ def rollout_from_parts(parts) -> RolloutOutput:
                          prompt_length=mask.shape[1])
 
 
-# 3a. old_log_probs: π_old's log-prob of each token and the entropy (None: the update records it)
-
-def recompute_old(run, batch, out, metrics):
-    """The actor's forward on the batch (verl's compute_log_prob)."""
-    with timer(metrics, "old_log_prob", run.device):
-        return workers.compute_log_probs(run.actor, batch, run.cfg.actor_rollout_ref.rollout.temperature,
-                                         spec=run.specs["old"], with_entropy=True)
-
-
-def recompute_old_and_compare(run, batch, out, metrics):
-    """recompute_old, and the largest gap to the rollout's own log-probs: the sampler's numerics."""
-    old, entropy = recompute_old(run, batch, out, metrics)
-    gap = (out.log_probs - old).abs()
-    metrics["rollout/log_prob_max_diff"] = dist.global_stats(gap, out.response_mask)[1]
-    return old, entropy
-
-
-def rollout_old(run, batch, out, metrics):
-    """The sampler *is* the actor at the same weights and precision: its log-probs are π_old's
-    (verl's bypass mode; workers.rollout_log_probs_are_old says when). No forward."""
-    return out.log_probs, None
-
-
-# 3b. values
-
-def critic_values(run, batch, metrics):
-    with timer(metrics, "values", run.device):
-        return workers.compute_values(run.critic, batch, spec=run.specs["values"])
-
-
-def no_values(run, batch, metrics):
-    return None
-
-
-# 3c. correct: importance weights and rejection for responses μ sampled -> (weights, response_mask, metrics)
+# rollout_correction: importance weights and rejection for responses μ sampled -> (weights, response_mask, metrics)
 
 def no_correction(run, batch, rollout_log_probs):
     return None, batch["response_mask"], {}
 
 
-def token_is(run, batch, rollout_log_probs):
+def token_weights(run, batch, rollout_log_probs):
     """Truncated per-token weights min(π_old/μ, C) (verl's rollout_is=token; nanokl/offline.py)."""
     return _is_weights(run, batch, rollout_log_probs, "token")
 
 
-def sequence_is(run, batch, rollout_log_probs):
+def sequence_weights(run, batch, rollout_log_probs):
     """The response's truncated product min(Π_t π_old/μ, C) on each of its tokens (verl's rollout_is=sequence)."""
     return _is_weights(run, batch, rollout_log_probs, "sequence")
 
@@ -209,71 +162,64 @@ def rejection(run, batch, rollout_log_probs, weigh=no_correction):
     return w, kept, {**metrics, **{f"rollout_corr/rollout_{k}": v for k, v in rs_metrics_from_sums(sums).items()}}
 
 
-# 4. kl_reward: r_t = score_t - beta * KL_t; the controller reads the step's KL and moves beta
+# the KL in the reward (the step computes r_t = score_t - beta * KL_t and moves beta with what read_kl reads)
 
-def kl_in_reward(run, batch, scores, read=None):
-    """A sampled-token estimator (algorithm.kl_penalty) in the reward (nanokl/rewards.py); `read`:
-    the KL the controller reads (logged_kl when None)."""
-    beta = run.kl_ctrl.value
-    rewards, kl, current = apply_kl_penalty(scores, batch["old_log_probs"], batch["ref_log_probs"],
-                                            batch["response_mask"], beta, run.cfg.algorithm.kl_penalty,
-                                            reduce=dist.all_reduce)
-    return rewards, steer(run, batch, kl, current, beta, batch["is_weights"], {}, read or logged_kl)
-
-
-def exact_kl_in_reward(run, batch, scores, read=None):
-    """The exact KL over the vocabulary (kl_penalty `full`) from both models' logits, with the k1 and
+def exact_kl(run, batch, metrics):
+    """The exact KL over the vocabulary (kl_penalty `full`) from both models' logits, [N, R]; the k1 and
     k3 estimates on the same tokens logged beside it."""
-    beta, mask = run.kl_ctrl.value, batch["response_mask"]
+    mask = batch["response_mask"]
     exact = workers.compute_full_kl(run.actor, run.ref, batch, run.cfg.actor_rollout_ref.rollout.temperature,
                                     spec=run.specs["old"])
-    rewards, kl, current = apply_exact_kl_penalty(scores, exact, mask, beta, reduce=dist.all_reduce)
-    metrics = {f"actor/reward_kl_{k}": dist.global_stats(masked_mean(kl_penalty(
-        batch["old_log_probs"], batch["ref_log_probs"], k), mask, dim=-1))[0] for k in ("k1", "k3")}
-    # no token was sampled for the exact KL: weights of 1 on real tokens (nanokl/offline.py)
-    ones = None if batch["is_weights"] is None else torch.where(mask.bool(), 1.0, 0.0)
-    return rewards, steer(run, batch, kl, current, beta, ones, metrics, read or logged_kl)
+    for k in ("k1", "k3"):
+        metrics[f"actor/reward_kl_{k}"] = dist.global_stats(masked_mean(kl_penalty(
+            batch["old_log_probs"], batch["ref_log_probs"], k), mask, dim=-1))[0]
+    return exact
 
 
-def steer(run, batch, kl, current, beta, weights, metrics, read):
-    """Move beta with the KL `read` gives (logged_kl or probed_kl); actor/reward_kl_penalty is always
-    the number the controller read, so the KL monitor reads it too."""
-    mask = batch["response_mask"]
-    current = read(run, batch, kl, current, weights, metrics)
-    run.kl_ctrl.update(current, n_steps=len(mask) * run.world)
+def reward_kl_metrics(run, kl, mask, current, beta) -> dict:
+    """actor/reward_kl_penalty is always the number the controller read, so the KL monitor reads it too."""
+    metrics = {}
     if getattr(run.kl_ctrl, "hold", 0):  # kl_ctrl.hold: the monitor's low side waits while beta does
         metrics["actor/kl_ctrl_holding"] = float(not run.kl_ctrl.reached)
     return {**metrics, "actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta,
-            "actor/reward_kl_var": global_var(masked_mean(kl, mask, dim=-1))}  # for the KL monitor
+            "actor/reward_kl_var": global_var(masked_mean(kl, mask, dim=-1))}
 
 
-def logged_kl(run, batch, kl, current, weights, metrics):
+def kl_weights(run, batch):
+    """The weights of the KL estimate: the importance weights, or, for the exact KL (no token was sampled
+    for it), weights of 1 on the real tokens; None online."""
+    if batch["is_weights"] is None or run.cfg.algorithm.kl_penalty != "full":
+        return batch["is_weights"]
+    return torch.where(batch["response_mask"].bool(), 1.0, 0.0)
+
+
+def logged_kl(run, batch, kl, current, metrics):
     """The step's own KL: the plain mean over its responses, or, on responses μ sampled (weights
     given), the self-normalised importance-weighted estimate of the KL under π (nanokl/offline.py),
     with the plain mean kept as a metric."""
+    weights = kl_weights(run, batch)
     if weights is None:
         return current
     metrics["rollout_corr/kl_unweighted"] = current
     return weighted_kl(kl, weights, batch["response_mask"], reduce=dist.all_reduce).item()
 
 
-def probed_kl(run, batch, kl, current, weights, metrics, state):
+def probed_kl(run, batch, kl, current, metrics, state):
     """logged_kl plus the smoothed gap to an on-policy probe (algorithm.kl_probe; nanokl/kl_probe.py):
     every `every` steps the policy samples `prompts` of the step's prompts (one response each), before
     the controller moves. Logs the step's estimate (rollout_corr/kl_logged), the probe (kl_probe/kl, its
     standard error), the gap, what the controller reads (kl_probe/kl_corrected) and the responses and
     tokens the probe generated so far (kl_probe/responses, kl_probe/tokens)."""
     cfg, kp = run.cfg, run.cfg.algorithm.kl_probe
-    logged, step, probe = logged_kl(run, batch, kl, current, weights, metrics), run.start + state.steps, None
+    logged, step, probe = logged_kl(run, batch, kl, current, metrics), run.start + state.steps, None
     state.steps += 1
     if step % kp.every == 0:
         d, ro = cfg.data, cfg.actor_rollout_ref.rollout
         rows = rank_rows(len(run.train), d.train_batch_size, step, d.seed, d.shuffle, run.rank, run.world)
         rows = rows[:math.ceil(kp.prompts / run.world)]
         with timer(metrics, "kl_probe", run.device):
-            ids, mask = build_prompts([run.train[i] for i in rows], run.tok, d.prompt_template, d.max_prompt_length,
-                                      d.truncation, device=run.device)
-            gen = torch.Generator(run.device).manual_seed(cfg.trainer.seed * 1_000_003 + step * 8191 + run.rank + 104729)
+            ids, mask = encode_prompts([run.train[i] for i in rows], run.tok, d, device=run.device)
+            gen = torch.Generator(run.device).manual_seed(step_seed(cfg.trainer.seed, step, run.rank + 104729))
             sums = dist.all_reduce(probe_sums(run.actor, run.ref, dist.unwrap(run.rollout_model), ids, mask, ro,
                                               cfg.algorithm.kl_penalty, run.tok.eos_token_ids, run.tok.pad_token_id,
                                               gen, spec=run.specs["old"]).to(run.device)).cpu()
@@ -286,69 +232,28 @@ def probed_kl(run, batch, kl, current, weights, metrics, state):
     return read
 
 
-def scores_only(run, batch, scores):
-    """No KL in the reward (it is in the loss, or nowhere): the rewards are the scores."""
-    return scores, {}
-
-
-# 5. baselines: what an estimator compares each response with beyond its own group (remax)
-
-def no_baselines(run, examples, metrics):
-    return None
-
+# ReMax: what its estimator compares each response with
 
 def greedy_baselines(run, examples, metrics):
     """ReMax's baseline (adv_estimator=remax, advantages.py): each prompt's greedy response (n=1, the
     same sampler), scored as the step's responses are (score_batch: the rule or the reward model, the
     missing-EOS and overlong penalties); its score repeated over the prompt's rollout.n rows. Timed as
     verl's timing_s/gen_max. `examples`: the step's examples, one per response (n per prompt, in order)."""
-    d, ro = run.cfg.data, run.cfg.actor_rollout_ref.rollout
-    prompts = examples[::ro.n]
+    n = run.cfg.actor_rollout_ref.rollout.n
+    prompts = examples[::n]
     with timer(metrics, "gen_max", run.device):
-        ids, mask = build_prompts(prompts, run.tok, d.prompt_template, d.max_prompt_length, d.truncation,
-                                  device=run.device)
-        out = generate(dist.unwrap(run.rollout_model), ids, mask, ro.response_length, temperature=ro.temperature,
-                       do_sample=False, eos_token_id=run.tok.eos_token_ids, pad_token_id=run.tok.pad_token_id,
-                       use_cuda_graph=ro.use_cuda_graph)
+        out = sample(run.rollout_model, run.tok, prompts, run.cfg, run.device, do_sample=False, top_k=-1, top_p=1.0)
         token_scores, _, _ = score_batch(run.tok, out, prompts, run.cfg, run.rm)
-    return token_scores.sum(-1).repeat_interleave(ro.n)
+    return token_scores.sum(-1).repeat_interleave(n)
 
 
-# 6. update_critic
-
-def critic_update(run, batch, generator, metrics):
-    c, n = run.cfg.critic, run.cfg.actor_rollout_ref.rollout.n
-    with timer(metrics, "update_critic", run.device):
-        upd = workers.update_critic(run.critic, run.critic_opt, batch, c, mini_size=c.ppo_mini_batch_size * n // run.world,
-                                    spec=run.specs["critic"], generator=generator,
-                                    horizon=run.cfg.actor_rollout_ref.rollout.response_length)
-    run.critic_sched.step()
-    return upd
-
-
-def no_critic_update(run, batch, generator, metrics):
-    return {}
-
-
-def choose(cfg, *, critic: bool, bypass: bool) -> dict:
+def choose(cfg) -> dict:
     """The part for each step of this config (the module docstring's table)."""
     offline, alg = cfg.data.offline_files is not None, cfg.algorithm
-    if bypass:
-        old = rollout_old
-    else:
-        old = recompute_old if offline else recompute_old_and_compare
-    kl = scores_only
-    if alg.use_kl_in_reward:
-        kl = exact_kl_in_reward if alg.kl_penalty == "full" else kl_in_reward
-        if alg.kl_probe.enable:  # its state (the smoothed gap, the cost so far) lives with the part
-            kl = functools.partial(kl, read=functools.partial(probed_kl, state=ProbeState()))
     rc = alg.rollout_correction
-    correct = {None: no_correction, "token": token_is, "sequence": sequence_is}[rc.rollout_is]
+    correction = {None: no_correction, "token": token_weights, "sequence": sequence_weights}[rc.rollout_is]
     if rc.rollout_rs:
-        correct = functools.partial(rejection, weigh=correct)
+        correction = functools.partial(rejection, weigh=correction)
     respond = sample_kept_groups if alg.filter_groups.enable else sample_responses
-    return dict(respond=logged_responses if offline else respond, old_log_probs=old,
-                values=critic_values if critic else no_values, correct=correct, kl_reward=kl,
-                baselines=greedy_baselines if ESTIMATORS[alg.adv_estimator].needs_greedy_baseline else no_baselines,
-                update_critic=critic_update if critic else no_critic_update)
-
+    read_kl = functools.partial(probed_kl, state=ProbeState()) if alg.kl_probe.enable else logged_kl
+    return dict(respond=logged_responses if offline else respond, rollout_correction=correction, read_kl=read_kl)

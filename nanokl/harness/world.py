@@ -1,10 +1,20 @@
 """What depends on torchrun's world size, checked once at setup before any model is built: verl's node
 and GPU counts against the processes torchrun started, verl's older global micro-batch sizes mapped to
 the per-GPU ones nanokl reads (verl's workers divide them by the world size), and the batch sizes that
-must divide evenly among the processes. Split from run.py to keep each file short."""
+must divide evenly among the processes. Split from run.py to keep each file short.
+
+And this process's device (`pick_device`): nanokl.dist.local_device's choice, plus the one line that
+says why trainer.device=auto runs on the CPU of a machine that has an NVIDIA GPU (tests/test_local_device.py)."""
 
 import functools
+import re
+import sys
+import warnings
+from pathlib import Path
 
+import torch
+
+from nanokl import dist
 from nanokl.harness.config_io import ConfigError, UserError
 from nanokl.harness.config_rules import validate as validate_config
 
@@ -59,3 +69,54 @@ def check_world(cfg, W, needs_critic):
         if v == "none" and W > 1 and (key != "critic.strategy" or needs_critic):
             # each process would train its own model and silently diverge
             raise UserError(f"{key}=none runs one process, but torchrun started {W}: use ddp or fsdp2")
+
+
+def pick_device(setting):
+    """dist.local_device(setting) for trainer.device = cpu | cuda | auto. `auto` on a CUDA build of
+    torch that finds no usable GPU on a machine that has one (a driver loaded, or torch warning about
+    CUDA) says why on stderr, once: a driver older than the build needs otherwise looks like a run
+    that chose the CPU (torch 2.14's cu130 wheels need driver >= 580)."""
+    if setting == "auto":
+        _say_why_no_cuda()
+    return dist.local_device(setting)
+
+
+_SAID_CPU = []
+# the oldest driver that runs a build for each CUDA major (NVIDIA's CUDA Compatibility guide, "Minor
+# Version Compatibility": 11.x >= 450, 12.x >= 525, 13.x >= 580)
+_MIN_DRIVER = {11: "450", 12: "525", 13: "580"}
+_DRIVER_FILE = "/proc/driver/nvidia/version"  # the loaded kernel module's version, without nvidia-smi
+
+
+def _say_why_no_cuda():
+    """The line `auto` prints where CUDA is unusable on a machine with a GPU; torch's own CUDA warning
+    goes into it, and any other warning reaches the caller's filters as if never caught."""
+    with warnings.catch_warnings(record=True) as caught:  # torch warns at most once: keep it
+        warnings.simplefilter("always")
+        usable = torch.cuda.is_available()
+    said = next((w for w in caught if "cuda" in str(w.message).lower()), None) if not usable else None
+    # a CUDA build of torch on a machine with no GPU (no driver loaded, torch silent) is ordinary:
+    # say nothing; a driver or torch's own CUDA warning means a GPU this run cannot use
+    gpu_here = said is not None or Path(_DRIVER_FILE).exists()
+    if not usable and torch.version.cuda and gpu_here and not _SAID_CPU:
+        _SAID_CPU.append(True)
+        print(f"nanokl: trainer.device=auto runs on the CPU: {_why_no_cuda(said)}", file=sys.stderr)
+    for w in caught:  # the others reach the caller's filters as if never caught
+        if w is not said:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _why_no_cuda(warned):
+    """One line: the driver found, what this torch build needs, and torch's own warning if any."""
+    cuda = torch.version.cuda
+    need = _MIN_DRIVER.get(int(cuda.split(".")[0]))
+    why = f"torch {torch.__version__} is built for CUDA {cuda}"
+    why += f", which needs NVIDIA driver >= {need}" if need else ""
+    try:
+        found = re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", Path(_DRIVER_FILE).read_text())
+        why += f"; this machine's driver is {found.group(1)}" if found else f"; {_DRIVER_FILE} names no version"
+    except OSError:
+        why += f"; no NVIDIA driver loaded ({_DRIVER_FILE} absent)"
+    if warned is not None:  # e.g. "The NVIDIA driver on your system is too old (found version 12080)"
+        why += f"; torch: {' '.join(str(warned.message).split())[:240]}"
+    return why

@@ -57,7 +57,7 @@ from nanokl.harness.config_io import UserError
 from nanokl.harness.data import build_prompts, read_rows
 from nanokl.harness.hf_format import from_pretrained
 from nanokl.harness.tokenizer import load_tokenizer
-from nanokl.graphs import generate
+from nanokl.rollout import generate
 from nanokl.tasks import get_task
 
 # The graded format is the labeller's taste, not a task's: a final "#### N" in the last 300

@@ -66,16 +66,16 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from nanokl import dist
-from nanokl.harness.config import ConfigError, parse_cli, run_cli
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config_io import ConfigError, UserError, run_cli
+from nanokl.harness.config_load import parse_cli
 from nanokl.harness.data import build_prompts
 from nanokl.harness.hf_format import CheckpointError, from_pretrained, load_scalar_head, read_config, save_pretrained
 from nanokl.model import Decoder, ModelConfig
 from nanokl.supervised.preference_data import build_preference_data, pair_kinds, read_preferences
-from nanokl.graphs import generate
+from nanokl.rollout import generate
 from nanokl.supervised.sft import adamw_cosine
 from nanokl.harness.tokenizer import apply_template, load_tokenizer, right_pad
+from nanokl.harness.world import pick_device
 from nanokl.tasks import get_task
 
 NORM_FILE = "reward_normalization.json"
@@ -294,7 +294,7 @@ def build_ranked_data(cfg) -> dict:
     t, d = cfg.reward_model.train, cfg.data
     return build_preference_data(cfg.actor_rollout_ref.model.path, t.data_path, t.num_prompts, t.n, t.seed,
                                  t.val_data_path, t.num_val_prompts, d, d.prompt_template, d.max_response_length,
-                                 cfg.actor_rollout_ref.rollout.temperature, device=dist.local_device(cfg.trainer.device))
+                                 cfg.actor_rollout_ref.rollout.temperature, device=pick_device(cfg.trainer.device))
 
 
 def train_from_config(cfg, progress=True) -> dict:
@@ -306,7 +306,7 @@ def train_from_config(cfg, progress=True) -> dict:
     policy_dir = cfg.actor_rollout_ref.model.path
     if not (Path(policy_dir) / "config.json").is_file():
         raise UserError(f"{policy_dir}: no warm start to start the reward model from; run python -m nanokl.supervised.sft")
-    device = dist.local_device(cfg.trainer.device)
+    device = pick_device(cfg.trainer.device)
     temperature = cfg.actor_rollout_ref.rollout.temperature
     t0 = time.perf_counter()
     if not Path(t.data_path).is_file():

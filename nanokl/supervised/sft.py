@@ -35,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from nanokl import dist
-from nanokl.harness.config import parse_cli, run_cli
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config_io import UserError, run_cli
+from nanokl.harness.config_load import parse_cli
 from nanokl.harness.data import build_prompts
 from nanokl.harness.hf_format import save_pretrained
 from nanokl.harness.tokenizer import apply_template, right_pad, train_tokenizer
+from nanokl.harness.world import pick_device
 from nanokl.model import CausalLM, ModelConfig, init_weights
-from nanokl.graphs import generate
+from nanokl.rollout import generate
 from nanokl.tasks import get_task
 
 
@@ -104,7 +104,7 @@ def train_sft(cfg, progress=True) -> Path:
     if task.demonstrations is None:
         raise UserError(f"data.task={d.task} has no demonstrations to warm-start from: give "
                         "actor_rollout_ref.model.path a policy to start PPO from")
-    device = dist.local_device(cfg.trainer.device)
+    device = pick_device(cfg.trainer.device)
     train, val = task.examples(d, num_train=s.num_examples, seed=cfg.trainer.seed)
     train = task.demonstrations(train, s, seed=cfg.trainer.seed)
     tok = train_tokenizer(demo_texts(train[:5000]), vocab_size=s.vocab_size)

@@ -18,6 +18,13 @@ nanokl names a task:
         `method` is reward_model.score_method, for a task that has more than one rule. The
         score is also the ground truth a learned reward model is checked against.
 
+    result(text, example, method="strict") -> dict (optional)
+        verl's other return shape, {"score": float, "acc": bool, ...} (tasks/math_dapo.py:
+        {"score": +-1.0, "acc": bool, "pred": str}). When a task has it the trainer scores
+        with it (harness/reward_fn.py): the reward is "score" (equal to `score`'s), the
+        held-out accuracy val-core/<data_source>/acc is "acc", and the other numeric keys
+        are logged as verl logs them (val-aux/<data_source>/<key>/mean@n).
+
     answer(text, example, method="strict") -> hashable or None (optional)
         The response's final answer as the rule reads it, for majority voting over validation
         samples (maj@k, nanokl/harness/val_metrics.py); a task without it gets no maj@k.
@@ -44,12 +51,18 @@ model all see the same prompts. A new task is one file here, one line in TASKS, 
 """
 
 from nanokl.harness.config_io import UserError
-from nanokl.tasks import arith, by_source, gsm8k
+from nanokl.tasks import arith, by_source, gsm8k, math, math_dapo
 
 TASKS = {"arith": arith, "gsm8k": gsm8k}
 
-# data_source -> the task whose rule scores it: {"arith": arith, "openai/gsm8k": gsm8k}
-SOURCES = {task.SOURCE: task for task in TASKS.values() if hasattr(task, "SOURCE")}
+# data_source -> the task whose rule scores it: {"arith": arith, "openai/gsm8k": gsm8k, "lighteval/MATH": math, ...}.
+# A task names its source (SOURCE) or several (SOURCES, a tuple); the rule-only tasks math and math_dapo
+# (no built-in data, so not in TASKS) score the rows of data files that name their sources, as in verl's
+# default_compute_score. SOURCE_PREFIXES: verl also routes every data_source starting with "aime" to math_dapo.
+_RULES = (*TASKS.values(), math, math_dapo)
+SOURCES = {source: task for task in _RULES
+           for source in getattr(task, "SOURCES", (task.SOURCE,) if hasattr(task, "SOURCE") else ())}
+SOURCE_PREFIXES = {prefix: task for task in _RULES for prefix in getattr(task, "SOURCE_PREFIXES", ())}
 
 
 def get_task(name: str | None):
@@ -66,7 +79,11 @@ def source_task(data_source: str):
     """The task whose rule scores rows of `data_source`, or a one-line UserError naming the known
     sources and the way to bring one's own rule."""
     if data_source not in SOURCES:
-        raise UserError(f"no reward rule for data_source {data_source!r} (known: {', '.join(SOURCES)}); "
+        for prefix, task in SOURCE_PREFIXES.items():
+            if data_source.startswith(prefix):
+                return task
+        known = [*SOURCES, *(prefix + "*" for prefix in SOURCE_PREFIXES)]
+        raise UserError(f"no reward rule for data_source {data_source!r} (known: {', '.join(known)}); "
                         "score it with your own function: custom_reward_function.path=<file.py> "
                         "custom_reward_function.name=<function>, or set data.task to score every row with one task")
     return SOURCES[data_source]

@@ -37,9 +37,6 @@ compares it with the ground truth (ReFT, Trung et al. 2024; verl's
     characters of text is read from its tail only.
 `reward_model.score_method` picks strict or flexible.
 
-`verl_row` writes a raw row as verl's preprocessing does (`data.write_rows` saves such rows as
-Parquet), for tests and for users without verl at hand.
-
 Demonstrations: a raw row's reference answer is a worked solution ending in `#### N`, so the
 rows that have one can warm-start a policy by SFT; verl-style rows carry none.
 
@@ -106,17 +103,6 @@ def row_to_example(row, where: str, prompt_key: str = "prompt", reward_fn_key: s
         raise DataError(f"{where}: {reward_fn_key} {ex['data_source']!r} is not {SOURCE!r}: data.task=gsm8k "
                         "scores every row with GSM8K's rule")
     return ex
-
-
-def verl_row(question: str, answer: str, split: str, index: int) -> dict:
-    """Raw GSM8K row -> the row verl's examples/data_preprocess/gsm8k.py writes (its `process_fn`):
-    a one-message chat prompt with the instruction, the final answer as ground truth, extra_info."""
-    found = re.search(r"#### (\-?[0-9\.\,]+)", answer)  # verl's extract_solution: the first `#### N`
-    if found is None:
-        raise UserError(f"GSM8K row {index} ({split}): the answer has no '#### <number>' final answer")
-    return {"data_source": SOURCE, "prompt": [{"role": "user", "content": question + " " + INSTRUCTION}],
-            "ability": "math", "reward_model": {"style": "rule", "ground_truth": found.group(1).replace(",", "")},
-            "extra_info": {"split": split, "index": index, "answer": answer, "question": question}}
 
 
 def load_examples(path_or_paths, prompt_key: str = "prompt", reward_fn_key: str = "data_source") -> list[dict]:
