@@ -22,6 +22,7 @@ from nanokl.harness.config import KLMonitorConfig
 from nanokl.harness.config_load import parse_cli
 from nanokl.harness.config_notes import startup_notes
 from nanokl.harness.tracking import read_metrics
+from test_monitor_runs import first_streak_end
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTE = "note: trainer.kl_monitor (the KL checklist"
@@ -115,13 +116,6 @@ BLOW_UP = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0", "ac
            "trainer.total_training_steps=12", "trainer.kl_monitor.kl_stop_patience=2"]
 
 
-def first_streak_end(rows, threshold=0.2, patience=2):
-    streak = 0
-    for r in rows:
-        streak = streak + 1 if r["actor/reward_kl_penalty"] > threshold else 0
-        if streak == patience:
-            return r["training/global_step"]
-    return None
 
 
 def test_a_runaway_only_warns_by_default_and_stops_where_asked(sft_dir, tmp_path, capfd):
