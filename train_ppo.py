@@ -11,7 +11,7 @@
   2. score       the task's rule (or a learned reward model) scores each response; the
                  scalar sits on the response's last token                              nanokl/rewards.py
   3. forwards    old log-probs + entropy (policy), reference log-probs, values (critic);
-                 importance weights when another policy sampled                        nanokl/workers.py, offline.py
+                 importance weights when another policy sampled                        nanokl/forwards.py, offline.py
   4. KL          in the reward: r_t = score_t - beta * KL_t (apply_kl_penalty), and the
                  controller moves beta toward target_kl (kl_ctrl.update); and/or in the
                  loss (actor.use_kl_loss, step 6)                                      nanokl/rewards.py, kl_ctrl.py
@@ -21,13 +21,13 @@
                  policy losses (+ KL loss, - entropy bonus)                            nanokl/workers.py, ppo.py
   7. metrics     verl's names, reduced over all ranks                                  harness/metrics.py
 Each formula is a call or two away: go to definition from the step. Where a config turns a step on
-or off (a critic, the KL in the reward, ReMax's greedy baseline, the old log-probs' forward when the
-sampler is the fp32 actor itself: bypass) the step says so with a plain named `if`. Three steps have
-real alternatives, chosen once in setup (nanokl/harness/variants.py): `run.respond` samples (or,
-offline, draws logged responses: nothing is generated; or, with DAPO's dynamic sampling, samples
-rounds until enough prompts' responses disagree), `run.rollout_correction` weighs and rejects
-tokens another policy sampled, and `run.read_kl` is the KL the controller reads (the step's own, or
-corrected by an on-policy probe). DPO is another algorithm (no score, no advantages, a pair loss):
+or off (a critic, the KL in the reward, critic warm-up) the step says so with a plain named `if`; step
+3's passes (`before_update`) skip pi_old's forward when the sampler is the fp32 actor itself (bypass). Four
+steps have real alternatives, chosen once in setup (nanokl/harness/variants.py): `run.respond` samples
+(or, offline, draws logged responses: nothing is generated; or, with DAPO's dynamic sampling, samples
+rounds until enough prompts' responses disagree), `run.rollout_correction` weighs and rejects tokens
+another policy sampled, `run.read_kl` is the KL the controller reads (the step's own, or corrected by
+an on-policy probe), and `run.baselines` rolls out greedily for ReMax. DPO is another algorithm (no score, no advantages, a pair loss):
 `dpo_step`. `main` is the loop around them; a reward function that fails in a step
 (reward_fn.RewardError) ends it with a checkpoint of the steps done (exit 1), and Ctrl-C with one of
 the step it finishes (exit 130, harness/faults.py). Everything that is not the step (models, resume,
@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from nanokl import dist, dpo, workers
+from nanokl import dist, dpo, forwards, shard, workers
 from nanokl.advantages import compute_advantage
 from nanokl.harness.checkpoint import rng_state, set_rng_state
 from nanokl.harness.config_io import run_cli
@@ -52,10 +52,11 @@ from nanokl.harness.faults import INTERRUPTED, check_writable
 from nanokl.harness.hacking import watch_ratio
 from nanokl.harness.metrics import step_metrics, timer
 from nanokl.harness.reward_fn import RewardError
-from nanokl.harness.run import TrainingStopped, end_step, finish, setup, steps
+from nanokl.harness.after_step import end_step, finish
+from nanokl.harness.run import TrainingStopped, setup, steps
 from nanokl.harness.run_state import save
 from nanokl.harness.scoring import score_batch
-from nanokl.harness.variants import exact_kl, greedy_baselines, reward_kl_metrics
+from nanokl.harness.variants import exact_kl, reward_kl_metrics
 from nanokl.rewards import apply_kl_penalty
 
 
@@ -78,32 +79,22 @@ def ppo_step(run, step) -> dict:
     # 1. rollout: n responses per prompt, with the sampler's log-prob of each token (mu's)
     with timer(metrics, "gen", device):
         out, examples = run.respond(run, rows=rows, step=step, generator=gen, metrics=metrics)
-    batch = workers.rollout_batch(out)
+    batch = forwards.rollout_batch(out)
 
     # 2. score each response (the task's rule, or the reward model); the score sits on its last token
     with timer(metrics, "reward", device):
         scores, seq_scores, rule_scores = score_batch(run.tok, out, examples, cfg, run.rm, global_step=step + 1,
                                                       metrics=metrics)
 
-    # 3. forwards: pi_old's log-probs and entropy, the reference's log-probs, the critic's values
-    batch["old_log_probs"], entropy = old_log_probs(run, batch, out, metrics)
-    with timer(metrics, "ref", device):
-        batch["ref_log_probs"], _ = workers.compute_log_probs(run.ref, batch, ro.temperature, spec=run.specs["ref"])
-    batch["values"] = None
-    if run.critic is not None:
-        with timer(metrics, "values", device):
-            batch["values"] = workers.compute_values(run.critic, batch, spec=run.specs["values"])
-    #    responses another policy sampled: importance weights min(pi_old/mu, C), and rejection: tokens far
-    #    off pi_old leave the mask the losses read (algorithm.rollout_correction; none online by default)
-    batch["is_weights"], batch["response_mask"], is_metrics = run.rollout_correction(run, batch, out.log_probs)
-    metrics.update(is_metrics)
+    # 3. forwards: pi_old's log-probs and entropy, the reference's, the critic's values; the weights and the
+    #    rejection of tokens another policy sampled; the exact KL when kl_penalty is `full`
+    entropy, exact = before_update(run, batch, out, metrics)
 
     with timer(metrics, "adv", device):
         # 4. KL in the reward: r_t = score_t - beta * KL_t, and the controller moves beta toward target_kl
         rewards, mask = scores, batch["response_mask"]
         if alg.use_kl_in_reward:
             beta = run.kl_ctrl.value
-            exact = exact_kl(run, batch, metrics) if alg.kl_penalty == "full" else None  # both models' logits
             rewards, kl, current = apply_kl_penalty(scores, batch["old_log_probs"], batch["ref_log_probs"], mask,
                                                     beta, alg.kl_penalty, reduce=dist.all_reduce, kl=exact)
             current = run.read_kl(run, batch, kl, current, metrics)  # offline: importance-weighted (+ the probe)
@@ -113,10 +104,9 @@ def ppo_step(run, step) -> dict:
         #    over the tokens step 3 kept; an outcome score is still the sum over the rollout's tokens
         #    (score_mask), as verl sums the whole row: a rejected last token takes no response's score away
         index = torch.arange(len(rows)).repeat_interleave(ro.n)  # the prompt of each response
-        baselines = greedy_baselines(run, examples, metrics) if alg.adv_estimator == "remax" else None
         batch["advantages"], batch["returns"] = compute_advantage(
             alg.adv_estimator, rewards, mask, batch["values"], index, alg, whiten_stats=dist.all_reduce_moments,
-            baselines=baselines, score_mask=out.response_mask)
+            baselines=run.baselines(run, examples, metrics), score_mask=out.response_mask)
 
     # 6. update: critic first (verl's order), then the actor once critic_warmup has passed
     update = {}
@@ -132,34 +122,46 @@ def ppo_step(run, step) -> dict:
             actor_update, first_pass_entropy = workers.update_actor(
                 run.actor, run.actor_opt, batch, a, ro.temperature, mini_size=a.ppo_mini_batch_size * ro.n // W,
                 spec=run.specs["actor"], generator=shuffle, horizon=ro.response_length,
-                kl_loss_coef=run.kl_loss_ctrl.value, ref=run.ref, record_entropy=run.bypass, watch=watch_ratio)
+                kl_loss_coef=run.kl_loss_ctrl.value, ref=run.ref, record_entropy=entropy is None, watch=watch_ratio)
         update |= actor_update
+        entropy = first_pass_entropy if entropy is None else entropy  # bypass: the update recorded pi_old's
         run.actor_sched.step()
-        dist.sync_rollout_weights(run.rollout_model, run.actor)  # in place: its CUDA graphs see new weights
-        entropy = first_pass_entropy if run.bypass else entropy
+        shard.sync_rollout_weights(run.rollout_model, run.actor)  # in place: its CUDA graphs see new weights
 
     # 7. metrics (verl's names), every one reduced over all ranks; then the KL loss's weight moves, when
     #    adaptive, toward its target from this step's KL loss, as beta did in step 4
-    metrics.update(step_metrics(run, step, out, batch, update=update, entropy=entropy, t_step=t_step,
+    metrics.update(step_metrics(run, step, out, batch, update=update, entropy=entropy, t_step=t_step, phases=metrics,
                                 scores=seq_scores, rule_scores=rule_scores, rewards=rewards))
     steer_kl_loss(run, metrics)
     return metrics
 
 
-def old_log_probs(run, batch, out, metrics):
-    """pi_old's log-prob of each token and the entropy: the actor's forward (verl's compute_log_prob), with
-    the largest gap to the rollout's own log-probs logged online (the sampler's numerics); or, when the
-    sampler is the fp32 actor itself (run.bypass: workers.rollout_log_probs_are_old), the rollout's, and
-    the update records the entropy."""
-    if run.bypass:
-        return out.log_probs, None
-    with timer(metrics, "old_log_prob", run.device):
-        old, entropy = workers.compute_log_probs(run.actor, batch, run.cfg.actor_rollout_ref.rollout.temperature,
-                                                 spec=run.specs["old"], with_entropy=True)
-    if run.cfg.data.offline_files is None:
-        gap = (out.log_probs - old).abs()
-        metrics["rollout/log_prob_max_diff"] = dist.global_stats(gap, out.response_mask)[1]
-    return old, entropy
+def before_update(run, batch, out, metrics):
+    """Step 3, the passes before the update; fills batch's old_log_probs, ref_log_probs, values (None without a
+    critic), is_weights and the response_mask rejection left. Returns (pi_old's entropy, or None when the update
+    records it, the exact per-token KL or None). pi_old's log-probs are the actor's forward (verl's
+    compute_log_prob, its largest gap to the rollout's own logged online: the sampler's numerics), or, when the
+    sampler is the fp32 actor itself (run.bypass: forwards.rollout_log_probs_are_old), the rollout's."""
+    device, T, alg = run.device, run.cfg.actor_rollout_ref.rollout.temperature, run.cfg.algorithm
+    batch["old_log_probs"], entropy = out.log_probs, None
+    if not run.bypass:
+        with timer(metrics, "old_log_prob", device):
+            batch["old_log_probs"], entropy = forwards.compute_log_probs(run.actor, batch, T, spec=run.specs["old"],
+                                                                         with_entropy=True)
+        if run.cfg.data.offline_files is None:
+            gap = (out.log_probs - batch["old_log_probs"]).abs()
+            metrics["rollout/log_prob_max_diff"] = dist.global_stats(gap, out.response_mask)[1]
+    with timer(metrics, "ref", device):
+        batch["ref_log_probs"], _ = forwards.compute_log_probs(run.ref, batch, T, spec=run.specs["ref"])
+    batch["values"] = None
+    if run.critic is not None:
+        with timer(metrics, "values", device):
+            batch["values"] = forwards.compute_values(run.critic, batch, spec=run.specs["values"])
+    # importance weights min(pi_old/mu, C) and rejection: tokens far off pi_old leave the mask the losses read
+    batch["is_weights"], batch["response_mask"], is_metrics = run.rollout_correction(run, batch, out.log_probs)
+    metrics.update(is_metrics)
+    full = alg.use_kl_in_reward and alg.kl_penalty == "full"  # both models' whole distributions
+    return entropy, exact_kl(run, batch, metrics) if full else None
 
 
 def steer_kl_loss(run, metrics) -> None:
@@ -184,16 +186,11 @@ def dpo_step(run, step) -> dict:
     rows, gen, shuffle = step_seeds(run, step)
     with timer(metrics, "gen", device):
         out, _ = run.respond(run, rows=rows, step=step, generator=gen, metrics=metrics)
-    batch = workers.rollout_batch(out)
-    batch["old_log_probs"], entropy = old_log_probs(run, batch, out, metrics)
-    with timer(metrics, "ref", device):
-        batch["ref_log_probs"], _ = workers.compute_log_probs(run.ref, batch, ro.temperature, spec=run.specs["ref"])
-    batch["is_weights"], batch["response_mask"], is_metrics = run.rollout_correction(run, batch, out.log_probs)
-    metrics.update(is_metrics)
+    batch = forwards.rollout_batch(out)
+    entropy, exact = before_update(run, batch, out, metrics)
     with timer(metrics, "adv", device):  # the policy's KL, for the controller and the monitor: no reward to pay it
         if alg.use_kl_in_reward:
             beta, mask = run.kl_ctrl.value, batch["response_mask"]
-            exact = exact_kl(run, batch, metrics) if alg.kl_penalty == "full" else None
             _, kl, current = apply_kl_penalty(torch.zeros_like(batch["old_log_probs"]), batch["old_log_probs"],
                                               batch["ref_log_probs"], mask, beta, alg.kl_penalty,
                                               reduce=dist.all_reduce, kl=exact)
@@ -205,8 +202,9 @@ def dpo_step(run, step) -> dict:
                                    mini_size=a.ppo_mini_batch_size * ro.n // run.world, spec=run.specs["actor"],
                                    generator=shuffle, beta=run.kl_ctrl.value)
     run.actor_sched.step()
-    dist.sync_rollout_weights(run.rollout_model, run.actor)
-    metrics.update(step_metrics(run, step, out, batch, update=update, entropy=entropy, t_step=t_step))
+    shard.sync_rollout_weights(run.rollout_model, run.actor)
+    metrics.update(step_metrics(run, step, out, batch, update=update, entropy=entropy, t_step=t_step,
+                                phases=metrics))
     return metrics
 
 

@@ -13,7 +13,7 @@ aligned: no label smoothing (TRL's default 0), the reference a separate frozen m
 temperature 1. IPO: TRL averages each response's log-probs over its tokens (its comment: as the
 IPO authors ran it), nanokl sums them as the paper writes h; the check compares nanokl's IPO on
 length-averaged log-probs (its own functions) with TRL's, and prints the native gap too. nanokl's
-step takes logits in fp32 (workers.response_logits), so the check also runs nanokl with float64
+step takes logits in fp32 (forwards.response_logits), so the check also runs nanokl with float64
 logits (the same slicing, no cast): that is the 1e-6 comparison; the fp32 one is float rounding.
 
 The race. The same pairs in the same order for both: step s takes the 64 prompts
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train_ppo  # noqa: E402
-from nanokl import dpo, workers  # noqa: E402
+from nanokl import dpo, forwards  # noqa: E402
 from nanokl.batching import Batching  # noqa: E402
 from nanokl.harness.config_load import load_config  # noqa: E402
 from nanokl.harness.data import batch_indices, build_prompts  # noqa: E402
@@ -93,8 +93,8 @@ def pair_list(rows, seed, steps, batch):
 
 
 def as_batch(rows, pairs, tok, d):
-    return workers.rollout_batch(logged_batch([rows[i] for i, _, _ in pairs], [[c, r] for _, c, r in pairs], tok,
-                                              d.prompt_template, d.max_prompt_length, d.truncation))
+    return forwards.rollout_batch(logged_batch([rows[i] for i, _, _ in pairs], [[c, r] for _, c, r in pairs], tok,
+                                               d.prompt_template, d.max_prompt_length, d.truncation))
 
 
 def prompt_ids(rows, tok, d):
@@ -276,8 +276,8 @@ def pair_stats(model, ref, rows, pairs, tok, d, beta, chunk=256):
     out = []
     for i in range(0, len(pairs), chunk):
         b = as_batch(rows, pairs[i:i + chunk], tok, d)
-        lp, _ = workers.compute_log_probs(model, b, 1.0, spec=Batching(micro_size=128))
-        rp, _ = workers.compute_log_probs(ref, b, 1.0, spec=Batching(micro_size=128))
+        lp, _ = forwards.compute_log_probs(model, b, 1.0, spec=Batching(micro_size=128))
+        rp, _ = forwards.compute_log_probs(ref, b, 1.0, spec=Batching(micro_size=128))
         delta = dpo.sequence_log_probs(lp - rp, b["response_mask"])
         out.append(torch.stack([delta[0::2], delta[1::2]], -1))
     return torch.cat(out)

@@ -82,7 +82,7 @@ T0 = time.monotonic()
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_ppo  # noqa: E402
-from nanokl import dist, workers  # noqa: E402
+from nanokl import dist, forwards, shard  # noqa: E402
 from nanokl.attention import record_kernels  # noqa: E402
 from nanokl.graphs import engine_stats  # noqa: E402
 from nanokl.harness.hf_format import save_pretrained  # noqa: E402
@@ -192,7 +192,7 @@ def prepare(args, rows, cache):
 
 def sharding(model):
     """(sharded, mesh size, how many parameters are DTensors, how many parameters)."""
-    params = list(dist.unwrap(model).parameters())
+    params = list(shard.unwrap(model).parameters())
     dtensors = [p for p in params if type(p).__name__ == "DTensor"]
     mesh = dtensors[0].device_mesh.size() if dtensors else None
     return len(dtensors) == len(params) > 0, mesh, len(dtensors), len(params)
@@ -212,8 +212,8 @@ def actor_kernels(run):
     mb = {"sequences": seqs, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
           "responses": seqs[:, P:], "response_mask": mask[:, P:]}
     mb = {k: v.to(dev) for k, v in mb.items()}
-    with torch.no_grad(), workers.autocast(dev), record_kernels() as names:
-        workers.response_logits(run.actor, mb, 1.0, spec.packed)
+    with torch.no_grad(), forwards.autocast(dev), record_kernels() as names:
+        forwards.response_logits(run.actor, mb, 1.0, spec.packed)
     return f"{'packed' if spec.packed else 'padded'}: " + ", ".join(sorted(set(names)))
 
 
@@ -221,8 +221,8 @@ def resolved_settings(run, overrides):
     """What the run really did: each pass's batching spec, and the checkpointing of the models themselves."""
     m = run.cfg.actor_rollout_ref.model
     return dict(overrides=overrides, specs={k: dataclasses.asdict(v) for k, v in run.specs.items()},
-                gradient_checkpointing={"actor": bool(dist.unwrap(run.actor).model.gradient_checkpointing),
-                                        "critic": bool(dist.unwrap(run.critic).model.gradient_checkpointing)
+                gradient_checkpointing={"actor": bool(shard.unwrap(run.actor).model.gradient_checkpointing),
+                                        "critic": bool(shard.unwrap(run.critic).model.gradient_checkpointing)
                                         if run.critic is not None else None},
                 use_fused_kernels=m.use_fused_kernels, fused_chunk_size=m.fused_chunk_size,
                 use_torch_compile={"actor": run.cfg.actor_rollout_ref.actor.use_torch_compile,
@@ -243,13 +243,13 @@ def phase_flops(run, m):
     n_resp = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     tokens = m["perf/total_num_tokens"]  # real prompt + response tokens of the step, all ranks
     resp = m.get("response_length/mean", 0.0) * n_resp
-    lm = dist.unwrap(run.actor)
+    lm = shard.unwrap(run.actor)
     c = lm.config
     s = tokens / n_resp
     attn = 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * s * s * n_resp
 
     def body(model):
-        return sum(p.numel() for n, p in dist.unwrap(model).named_parameters()
+        return sum(p.numel() for n, p in shard.unwrap(model).named_parameters()
                    if "embed_tokens" not in n and "lm_head" not in n)
     fwd_actor = 2 * body(run.actor) * tokens + 2 * c.vocab_size * c.hidden_size * resp + attn
     flops = {"gen": fwd_actor, "old_log_prob": fwd_actor, "ref": fwd_actor,
@@ -460,7 +460,7 @@ def main():
     sharded, mesh, n_dt, n_p = sharding(run.actor)  # before any no-grad forward, which leaves the root unsharded
     run.actor_vocab = SHAPES[args.shape]["vocab_size"]
     kernels = actor_kernels(run)
-    engine = engine_stats(dist.unwrap(run.rollout_model))
+    engine = engine_stats(shard.unwrap(run.rollout_model))
     print(f"actor micro-batch attention: {kernels}\nrollout graph engine over {len(rows)} steps: {engine}")
     print(f"{strategy} at world size {world} ({'torchrun' if dist.active() else 'no process group'}): sharded "
           f"{'yes' if sharded else 'no'} ({n_dt}/{n_p} actor parameters DTensor, mesh of {mesh}); "

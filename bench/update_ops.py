@@ -9,7 +9,7 @@ The work of one step of the GSM8K GPU run (bench/ppo_gpu.py): 128 prompts x 1 re
 Qwen2.5-0.5B shape, prompts left-padded to 256 tokens (real lengths 60 + 37 i mod 141: 60..200,
 deterministic), responses of 256 real tokens (a random policy never stops), mini-batches of 64
 responses (2 optimizer steps per update), 1 epoch, GAE with a critic. Its five training passes
-(nanokl/workers.py), in the trainer's order:
+(nanokl/forwards.py, then nanokl/workers.py), in the trainer's order:
 
     old_log_prob   compute_log_probs(actor, with_entropy=True)    spec "old"
     ref            compute_log_probs(ref)                         spec "ref"
@@ -109,6 +109,10 @@ from nanokl import attention as A  # noqa: E402
 from nanokl import batching  # noqa: E402
 from nanokl import model as M  # noqa: E402
 from nanokl import workers  # noqa: E402
+try:
+    from nanokl import forwards  # noqa: E402
+except ImportError:  # an older checkout: the no-grad passes were in workers
+    forwards = workers
 
 SHAPES = {  # as bench/decode_ops.py
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -478,7 +482,7 @@ class StepCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def markers(counter):
-    """What the counter cannot see by itself, reported to it while a phase runs: workers' loop boundaries
+    """What the counter cannot see by itself, reported to it while a phase runs: the loops' boundaries
     (split arms, the micro-batch builder starts a micro-batch: micro_batch, or take in an older checkout;
     _step ends the loop), batching.send's copies (pinned and non-blocking on CUDA: no sync), and
     tensors made on the device from host data by torch.tensor / torch.as_tensor (no dispatch shows
@@ -621,10 +625,10 @@ def count_step(setting, shape="0.5b", layers=1, config=CONFIG, adamw_kind="fused
                     return fn()
             finally:
                 counter.stop()
-        batch["old_log_probs"], _ = run("old_log_prob", lambda: workers.compute_log_probs(
+        batch["old_log_probs"], _ = run("old_log_prob", lambda: forwards.compute_log_probs(
             actor, batch, 1.0, spec=specs["old"], with_entropy=True))
-        batch["ref_log_probs"], _ = run("ref", lambda: workers.compute_log_probs(ref, batch, 1.0, spec=specs["ref"]))
-        batch["values"] = run("values", lambda: workers.compute_values(critic, batch, spec=specs["values"]))
+        batch["ref_log_probs"], _ = run("ref", lambda: forwards.compute_log_probs(ref, batch, 1.0, spec=specs["ref"]))
+        batch["values"] = run("values", lambda: forwards.compute_values(critic, batch, spec=specs["values"]))
         batch["advantages"], batch["returns"] = torch.empty(N, R, device="meta"), torch.empty(N, R, device="meta")
         run("update_critic", lambda: workers.update_critic(critic, critic_opt, batch, c, mini_size=MINI,
                                                            spec=specs["critic"], generator=gen, horizon=R))

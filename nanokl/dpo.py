@@ -54,7 +54,8 @@ import torch.nn.functional as F
 
 from nanokl.masked import masked_sum
 from nanokl.ppo import logprobs_from_logits
-from nanokl.workers import autocast, ppo_epochs, response_logits
+from nanokl.forwards import autocast, response_logits
+from nanokl.workers import ppo_epochs
 
 DPO_LOSSES = ("sigmoid", "ipo")
 

@@ -7,7 +7,7 @@ A decode step reads every weight once and does little arithmetic, so on a GPU it
 weight bytes plus the launch cost of each small kernel. A CUDA graph (nanokl/graphs.py) removes the
 CPU side of a launch, not the kernel count: fewer kernels per step is the remaining lever. The copy
 of the policy that only generates (CUDA: bf16 weights, refreshed from the actor after each update,
-nanokl/dist.py) is therefore fused in place by `fuse_for_rollout`. It computes what the model
+nanokl/shard.py) is therefore fused in place by `fuse_for_rollout`. It computes what the model
 computes; only how many kernels it takes changes:
 
 - q|k|v in one matrix [(H + 2 n_kv) d, hidden] and gate|up in another [2 m, hidden]: one matmul
@@ -25,7 +25,7 @@ shape: 357 for the fused bf16 copy (13 a layer), 683 for the plain fp32 actor (2
 How. The trained actor keeps transformers' separate parameters (checkpoints, FSDP, the optimizer).
 In the copy, each old parameter is rebound to a *view* into its fused matrix, so
 `named_parameters()` and the state dict keep their names and shapes, and copying the actor's
-weights in by name (`dist.sync_rollout_weights`, in place) writes straight into the fused storage
+weights in by name (`shard.sync_rollout_weights`, in place) writes straight into the fused storage
 that a captured CUDA graph reads. Fuse after the last move: `model.to()` would break the views
 apart. The layers then change class to the fused subclasses below, which override only how q, k, v
 are made, the RoPE tables of a decode step and where the residual is added; masks, attention and
@@ -43,7 +43,7 @@ the graph engine).
 Chunked log-probs and entropy (`chunked_log_probs`)
 ---------------------------------------------------
 Training needs one number per response token, its log-prob z_y - logsumexp(z), and its entropy
-logsumexp(z) - sum softmax(z) z, yet the plain path (workers.response_logits, then
+logsumexp(z) - sum softmax(z) z, yet the plain path (forwards.response_logits, then
 ppo.logprobs_from_logits and ppo.entropy_from_logits) first builds the logits of every token,
 [tokens, V], in fp32: with Qwen's V = 151,936, 16k tokens are 10 GB, and autograd keeps that tensor
 and its softmax until the backward. `chunked_log_probs` takes the last (normed) hidden state and the

@@ -28,7 +28,7 @@ derivative: where Δ is ±inf or NaN, k2 (derivative Δ) and abs (sign Δ) keep 
 gradient path; k1's derivative is ±1 and k3's clamps select.
 
 `full` has no sampling noise in value or gradient but needs both models' [batch, R, V] logits:
-only nanokl/workers.py holds them, micro-batch by micro-batch (`compute_full_kl`, `update_actor`).
+only nanokl/forwards.py and workers.py hold them, micro-batch by micro-batch (`compute_full_kl`, `update_actor`).
 The trainer logs k1 and k3 on the same tokens beside it (actor/reward_kl_k1, _k3; actor/kl_loss_k1,
 _k3): both have the exact KL as their mean under π, so a lasting gap says the tokens were not drawn
 from π (top-k/top-p, rollout numerics that differ, or π_old's tokens after the first update).
@@ -78,7 +78,7 @@ def kl_penalty(logprob, ref_logprob, kind, logits=None, ref_logits=None):
     kind: one of KL_KINDS.
     logits, ref_logits: [..., V], only for kind="full"; logprob/ref_logprob are then unused
         (they may be None) and the result has shape logits.shape[:-1]. For whole batches,
-        nanokl/workers.py feeds it one micro-batch at a time (compute_full_kl, update_actor).
+        nanokl/forwards.py and workers.py feed it one micro-batch at a time (compute_full_kl, update_actor).
     Returns a tensor of per-token estimates; masking and averaging are the caller's job.
     Differs from verl: see README, 'Where nanokl differs from verl'.
     """

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanokl import workers
+from nanokl import forwards
 from nanokl.rollout import generate
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean
@@ -85,13 +85,13 @@ def probe_sums(policy, ref, sampler, prompt_ids, prompt_mask, ro, kind, eos_toke
     out = generate(sampler, prompt_ids, prompt_mask, ro.response_length, temperature=ro.temperature,
                    top_k=ro.top_k, top_p=ro.top_p, do_sample=ro.do_sample, eos_token_id=eos_token_id,
                    pad_token_id=pad_token_id, generator=generator, use_cuda_graph=ro.use_cuda_graph)
-    batch, mask = workers.rollout_batch(out), out.response_mask
+    batch, mask = forwards.rollout_batch(out), out.response_mask
     extra = {} if spec is None else {"spec": spec}
     if kind == "full":
-        kl = workers.compute_full_kl(policy, ref, batch, ro.temperature, **extra)
+        kl = forwards.compute_full_kl(policy, ref, batch, ro.temperature, **extra)
     else:  # both recomputed: the sampler may be a bf16 copy, and the step's KL is the actor's
-        logp, _ = workers.compute_log_probs(policy, batch, ro.temperature, **extra)
-        ref_logp, _ = workers.compute_log_probs(ref, batch, ro.temperature, **extra)
+        logp, _ = forwards.compute_log_probs(policy, batch, ro.temperature, **extra)
+        ref_logp, _ = forwards.compute_log_probs(ref, batch, ro.temperature, **extra)
         kl = kl_penalty(logp, ref_logp, kind)
     per = masked_mean(kl, mask, dim=-1).double().cpu()
     return torch.stack([per.sum(), (per * per).sum(), torch.tensor(float(len(per)), dtype=torch.float64),

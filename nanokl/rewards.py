@@ -38,7 +38,7 @@ never capped), added to the score before it is placed on the last token (`overlo
 
 Two variants replace the sampled estimate:
 - the exact per-token KL Σ_v π(v)(log π(v) − log π_ref(v)) from both models' logits
-  (`algorithm.kl_penalty=full`; computed micro-batch by micro-batch in nanokl/workers.py):
+  (`algorithm.kl_penalty=full`; computed micro-batch by micro-batch in nanokl/forwards.py):
   `apply_kl_penalty` takes it as `kl=` instead of two log-probs;
 - on responses another policy μ sampled (offline, nanokl/offline.py), the controller reads the
   importance-weighted estimate of the KL under π instead of the plain mean (`offline.weighted_kl`;
@@ -83,7 +83,7 @@ def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_ma
     """verl's apply_kl_penalty: KL_t = kl_penalty(old_log_prob, ref_log_prob, kind) at each sampled
     token, r_t = score_t − β·KL_t. Returns (token_level_rewards, kl per token (0 under the mask),
     current_kl). `kl`: the per-token KL when it cannot come from two log-probs (kind `full`: from
-    both models' whole distributions, workers.compute_full_kl)."""
+    both models' whole distributions, forwards.compute_full_kl)."""
     if kl is None:
         kl = kl_penalty(old_log_prob, ref_log_prob, kind)
     kl = zero_masked(kl, response_mask)

@@ -23,7 +23,7 @@ nothing to batch across time. The recipe that makes it fast is small (gpt-fast, 
 
 Which log-probability is returned. `log_probs[b, t]` is log softmax(logits / temperature) of the
 chosen token: the temperature-scaled distribution *before* top-k / top-p filtering. That is what
-the training forward recomputes (`logprobs_from_logits(logits / temperature)`, nanokl/workers.py), as in
+the training forward recomputes (`logprobs_from_logits(logits / temperature)`, nanokl/forwards.py), as in
 verl, so the two agree to float error and `rollout/log_prob_max_diff` measures only numerics.
 Filtering changes which tokens can be drawn, not the recorded log-prob; with top-k/top-p the
 sampler is thus slightly off-policy, a known and accepted trade. Greedy decoding (do_sample=False

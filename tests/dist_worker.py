@@ -5,8 +5,8 @@
         [--param-dtypes float32,bfloat16] [--checks]
 
 Every process builds the same tiny models and the same batch of 8 responses from fixed seeds,
-keeps its slice of the rows, and runs the real machinery (nanokl.workers updates, nanokl.dist
-wrapping and reductions, GAE whitened over all ranks). Rank 0 saves the full parameters after
+keeps its slice of the rows, and runs the real machinery (nanokl.workers updates, nanokl.shard
+wrapping, nanokl.dist reductions, GAE whitened over all ranks). Rank 0 saves the full parameters after
 the update and the metrics, which the test compares across world sizes.
 
 `--param-dtypes bfloat16` computes in bf16 from fp32 masters: FSDP2's MixedPrecisionPolicy under
@@ -14,22 +14,22 @@ torchrun; in the one-process reference, every parameter is read through a cast
 (`torch.nn.utils.parametrize`), an implementation of the same arithmetic that shares no code
 with FSDP2: forward and backward in bf16, each gradient cast to fp32 before it is summed.
 
-`--offloads none,params,optimizer` runs the update once per offload mode (nanokl/dist.py): `params`
+`--offloads none,params,optimizer` runs the update once per offload mode (nanokl/shard.py): `params`
 wraps with FSDP2's CPUOffloadPolicy, `optimizer` keeps only the optimizer state on CPU between
 steps; each result records where the shards and the optimizer state live, whether every FSDP2
 module carries the policy (on a CPU-only box everything is on CPU anyway: the policy is what shows
 that the flag reached `fully_shard`) and the optimizer's step hooks.
 
 Under FSDP2 each run also counts collectives (`Collectives`): per optimizer step of the first
-update, the micro-batches (`dist.no_sync` calls), FSDP2's gradient reductions (`foreach_reduce`:
+update, the micro-batches (`shard.no_sync` calls), FSDP2's gradient reductions (`foreach_reduce`:
 a reduce-scatter, or a copy on one rank) and the gloo reduce-scatters; the unit gathers of the
 actor's no-grad log-prob pass; whether its layers stay gathered after that pass and are resharded
-on entering `dist.no_sync`; and each unit's reshard_after_forward (root first).
+on entering `shard.no_sync`; and each unit's reshard_after_forward (root first).
 
 `--checks` adds, after the update: (a) the rollout copy synced right after the update and (b)
 synced again right after a no-grad forward (which leaves FSDP2's root gathered in bf16), both
 saved for the test; (c) a checkpoint written by nanokl.harness.run.save, a second update (the
-uninterrupted run), then fresh models restored from the checkpoint by run._restore (the
+uninterrupted run), then fresh models restored from the checkpoint by run_state._restore (the
 rollback path: weights, optimizer and scheduler states) and the same second update. Rank 1 must
 not open optim.pt nor the weights: its torch.load and weight loaders raise if it tries.
 """
@@ -46,8 +46,10 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nanokl import forwards  # noqa: E402
 from nanokl import workers as workers  # noqa: E402
 from nanokl import dist  # noqa: E402
+from nanokl import shard  # noqa: E402
 from nanokl import model as M  # noqa: E402
 from nanokl.batching import Batching, token_budget_micro_batches  # noqa: E402
 from nanokl.advantages import compute_gae_advantage_return  # noqa: E402
@@ -105,27 +107,27 @@ def fixed_batch(policy):
 
 
 def full_params(actor, critic):
-    params = {f"actor.{k}": v.detach().clone() for k, v in dist.full_tensors(actor)}
-    params.update({f"critic.{k}": v.detach().clone() for k, v in dist.full_tensors(critic)})
+    params = {f"actor.{k}": v.detach().clone() for k, v in shard.full_tensors(actor)}
+    params.update({f"critic.{k}": v.detach().clone() for k, v in shard.full_tensors(critic)})
     return params
 
 
 def offload_report(model, opt):
     """Where the model's shards and the optimizer's state live, and what FSDP2 was told."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in dist.unwrap(model).modules() if isinstance(m, FSDPModule)]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in shard.unwrap(model).modules() if isinstance(m, FSDPModule)]
     groups = [g for g in groups if g is not None]
     return {"fsdp_groups": len(groups),
             "policy": [isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups],
             "offload_to_cpu": [fp.offload_to_cpu for g in groups for fp in g.fsdp_params],
-            "param_devices": sorted({str(p.device) for p in dist.unwrap(model).parameters()}),
+            "param_devices": sorted({str(p.device) for p in shard.unwrap(model).parameters()}),
             "state_devices": sorted({str(v.device) for st in opt.state.values() for v in st.values()
                                      if torch.is_tensor(v) and v.dim() > 0}),
             "step_hooks": (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))}
 
 
 class Collectives:
-    """Counts FSDP2's collectives, wrapped where FSDP2 looks them up, and dist.no_sync's calls.
+    """Counts FSDP2's collectives, wrapped where FSDP2 looks them up, and shard.no_sync's calls.
     torch 2.13 at world size 1 neither all-gathers nor reduce-scatters: it copies (and casts) the
     shard into the unsharded buffer, and copies the gradient back; `gathers` and `reductions`
     count those steps at any world size, `reduce_scatters` the collective itself."""
@@ -137,7 +139,7 @@ class Collectives:
         for owner, name, key in ((torch.distributed, "reduce_scatter_single", "reduce_scatters"),
                                  (_fsdp_param_group, "foreach_reduce", "reductions"),
                                  (group, "_to_unsharded", "gathers"),  # after the all-gather (or copy)
-                                 (dist, "no_sync", "micro_batches")):  # workers.ppo_epochs: one per micro-batch
+                                 (shard, "no_sync", "micro_batches")):  # workers.ppo_epochs: one per micro-batch
             real = getattr(owner, name)
             setattr(owner, name, self._counted(real, key, group if owner is group else None))
             self._undo.append((owner, name, real))
@@ -172,7 +174,7 @@ class Collectives:
 
 def gathered_layers(model):
     """Whether the decoder layers hold plain (gathered) tensors rather than their DTensor shards."""
-    return [type(p).__name__ != "DTensor" for layer in dist.unwrap(model).model.layers for p in layer.parameters()]
+    return [type(p).__name__ != "DTensor" for layer in shard.unwrap(model).model.layers for p in layer.parameters()]
 
 
 def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, offload="none"):
@@ -190,8 +192,8 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
     def build(actor, critic):
         if strategy == "none" and dtype != torch.float32:
             compute_in(actor, dtype), compute_in(critic, dtype)
-        actor = dist.wrap(actor.train(), strategy, device, param_dtype=dtype, offload=offload == "params")
-        critic = dist.wrap(critic.train(), strategy, device, param_dtype=dtype, offload=offload == "params")
+        actor = shard.wrap(actor.train(), strategy, device, param_dtype=dtype, offload=offload == "params")
+        critic = shard.wrap(critic.train(), strategy, device, param_dtype=dtype, offload=offload == "params")
         # optimizers right after wrapping: between a no-grad forward and the next backward FSDP2
         # exposes the root's *unsharded* parameters, which an optimizer must never hold
         # eps 1e-6, not 1e-8: Adam's first steps move a parameter by lr * g / (|g| + eps), so a
@@ -201,7 +203,7 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
         c_opt = torch.optim.AdamW(critic.parameters(), lr=3e-3, eps=1e-6)
         scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (a_opt, c_opt)]
         if offload == "optimizer":
-            dist.offload_optimizer(a_opt), dist.offload_optimizer(c_opt)
+            shard.offload_optimizer(a_opt), shard.offload_optimizer(c_opt)
         return actor, critic, a_opt, c_opt, scheds
 
     actor, critic, a_opt, c_opt, scheds = build(actor, critic)
@@ -218,15 +220,15 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
     counted = {}
     if counter:
         counter.counts.clear()
-    batch["old_log_probs"], _ = workers.compute_log_probs(actor, batch, 1.0, spec)
+    batch["old_log_probs"], _ = forwards.compute_log_probs(actor, batch, 1.0, spec)
     if counter:  # the no-grad pass over several micro-batches, and what it leaves registered
         counted.update(no_grad_gathers=counter.counts["gathers"],
-                       no_grad_micro_batches=len(list(workers.forward_micro_batches(batch, spec))),
+                       no_grad_micro_batches=len(list(forwards.forward_micro_batches(batch, spec))),
                        gathered_after_forward=gathered_layers(actor))
-        with dist.no_sync(actor, skip=True):
+        with shard.no_sync(actor, skip=True):
             counted["gathered_in_no_sync"] = gathered_layers(actor)
-    batch["ref_log_probs"], _ = workers.compute_log_probs(ref, batch, 1.0, spec)
-    batch["values"] = workers.compute_values(critic, batch, spec)
+    batch["ref_log_probs"], _ = forwards.compute_log_probs(ref, batch, 1.0, spec)
+    batch["values"] = forwards.compute_values(critic, batch, spec)
     adv, ret = compute_gae_advantage_return(scores, batch["values"], batch["response_mask"], 1.0, 0.95,
                                             whiten_stats=dist.all_reduce_moments)
     batch.update(advantages=adv, returns=ret)
@@ -251,13 +253,13 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
         counted["steps"] = steps
     if strategy == "none" and dtype != torch.float32:
         compute_in(actor, dtype, on=False), compute_in(critic, dtype, on=False)
-    p = next(dist.unwrap(actor).parameters())
+    p = next(shard.unwrap(actor).parameters())
     out = {"params": full_params(actor, critic), "init": init, "metrics": metrics, "world": W,
-           "dtensor": [type(q).__name__ == "DTensor" for q in dist.unwrap(actor).parameters()],
+           "dtensor": [type(q).__name__ == "DTensor" for q in shard.unwrap(actor).parameters()],
            "mesh": p.device_mesh.size() if hasattr(p, "device_mesh") else None}
     if strategy == "fsdp2":
         out["offload"] = {"actor": offload_report(actor, a_opt), "critic": offload_report(critic, c_opt)}
-        groups = [m._get_fsdp_state()._fsdp_param_group for m in dist.unwrap(actor).modules()
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in shard.unwrap(actor).modules()
                   if isinstance(m, torch.distributed.fsdp.FSDPModule)]
         out["collectives"] = {**counted, "reshard_after_forward": [g._reshard_after_forward for g in groups]}
     if checks:
@@ -267,14 +269,14 @@ def run(strategy, mode, spec_name, param_dtype, checks=False, ckpt_dir=None, off
 
 
 def run_checks(rank, W, actor, critic, a_opt, c_opt, scheds, build, update, batch, spec, ckpt_dir):
-    from nanokl.harness import run as harness
+    from nanokl.harness import run_state as harness  # save, _restore and the loaders _restore would call
     from nanokl.kl_ctrl import FixedKLController
     out = {}
     rollout = tiny(M.CausalLM, 4)  # other values than the actor's: a missed or partial sync shows
-    dist.sync_rollout_weights(rollout, actor)
+    shard.sync_rollout_weights(rollout, actor)
     out["rollout_after_update"] = {f"actor.{k}": v.clone() for k, v in rollout.state_dict().items()}
-    workers.compute_log_probs(actor, batch, 1.0, spec)  # no grad: FSDP2 leaves the root gathered
-    dist.sync_rollout_weights(rollout, actor)
+    forwards.compute_log_probs(actor, batch, 1.0, spec)  # no grad: FSDP2 leaves the root gathered
+    shard.sync_rollout_weights(rollout, actor)
     out["rollout_after_forward"] = {f"actor.{k}": v.clone() for k, v in rollout.state_dict().items()}
 
     def fake_run(actor, critic, a_opt, c_opt, scheds):

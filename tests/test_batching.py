@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from nanokl import workers as W
+from nanokl import forwards
 from nanokl import model as M
 from nanokl.batching import Batching, agreed_micro_batches, balanced_partition, micro_batch, split, \
     token_budget_micro_batches
@@ -71,13 +71,13 @@ def test_packed_log_probs_and_values_equal_padded():
              "responses": out.responses, "response_mask": out.response_mask}
     rm = out.response_mask.bool()
     assert not rm.all()  # some responses ended early: padding inside the batch to remove
-    padded, ent = W.compute_log_probs(policy, batch, 0.8, Batching(), with_entropy=True)
+    padded, ent = forwards.compute_log_probs(policy, batch, 0.8, Batching(), with_entropy=True)
     for spec in (Batching(packed=True), Batching(token_budget=20, packed=True), Batching(micro_size=3, packed=True)):
-        packed, ent_p = W.compute_log_probs(policy, batch, 0.8, spec, with_entropy=True)
+        packed, ent_p = forwards.compute_log_probs(policy, batch, 0.8, spec, with_entropy=True)
         assert (packed - padded)[rm].abs().max() <= 1e-5
         assert (ent_p - ent)[rm].abs().max() <= 1e-5
-    v_pad = W.compute_values(critic, batch, Batching())
-    v_packed = W.compute_values(critic, batch, Batching(token_budget=25, packed=True))
+    v_pad = forwards.compute_values(critic, batch, Batching())
+    v_packed = forwards.compute_values(critic, batch, Batching(token_budget=25, packed=True))
     assert (v_packed - v_pad)[rm].abs().max() <= 1e-5
     # the packed row really holds only real tokens, with positions restarting per sequence
     _, inputs = micro_batch(batch, list(range(7)), Batching(packed=True), batch["attention_mask"])

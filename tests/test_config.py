@@ -95,7 +95,7 @@ def test_dataclass_defaults_are_verls():
 
 def test_bypass_mode_is_verls_key_with_nanokl_default_auto():
     """verl's algorithm.rollout_correction.bypass_mode (default false there); nanokl defaults to auto,
-    which is on only where the rollout's log-probs equal a recomputation (workers.rollout_log_probs_are_old)."""
+    which is on only where the rollout's log-probs equal a recomputation (forwards.rollout_log_probs_are_old)."""
     assert Config().algorithm.rollout_correction.bypass_mode == "auto"
     for text, value in (("true", True), ("false", False), ("auto", "auto")):
         got = load_config(TINY, [f"algorithm.rollout_correction.bypass_mode={text}"])
@@ -105,7 +105,7 @@ def test_bypass_mode_is_verls_key_with_nanokl_default_auto():
 def test_names_are_validated_against_the_lists_their_lessons_own():
     """Every name a lesson module or the task table declares is accepted under its key, so a new
     estimator, mode or task needs no change here (the lists themselves are pinned by test_kl.py,
-    test_ppo.py, test_advantages.py and test_tasks.py)."""
+    test_ppo.py, test_loss_agg.py, test_advantages.py and test_tasks.py)."""
     from nanokl.advantages import ESTIMATORS
     from nanokl.tasks import TASKS
     owned = {"algorithm.kl_penalty": KL_KINDS, "actor_rollout_ref.actor.kl_loss_type": KL_KINDS,

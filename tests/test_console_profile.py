@@ -4,7 +4,7 @@
   copied below as the reference) on a metrics dict of every kind of value; which line a logger
   list asks for, and the Tracker printing it (verl's on stdout, nanokl's short one on stderr);
 - prompt_length/clip_ratio, response/aborted_ratio, timing_per_token_ms/* against hand counts on a
-  tiny batch, and verl_tail putting them after every older key of the row;
+  tiny batch, logged after the step's older keys;
 - a 2-step tiny run with global_profiler.steps=[1] writes one chrome trace (JSON) under
   <default_local_dir>/profile and prints its summary; a run without it writes none; the start-up
   notes of the profiler keys nanokl does otherwise.
@@ -23,7 +23,7 @@ import train_ppo
 from nanokl.harness.config_io import UserError
 from nanokl.harness.config_load import load_config
 from nanokl.harness.config_notes import startup_notes
-from nanokl.harness.metrics import section_tokens, timing_per_token, verl_data_metrics, verl_tail
+from nanokl.harness.metrics import timing_per_token, verl_data_metrics
 from nanokl.harness.profile import chosen_steps
 from nanokl.harness.tracking import Tracker, console_style, read_metrics, verl_console_line
 
@@ -87,23 +87,13 @@ def test_new_data_metrics_by_hand():
     m = verl_data_metrics(attn, rmask, 4, max_prompt_length=4)
     assert m == {"prompt_length/clip_ratio": pytest.approx(2 / 3), "response/aborted_ratio": pytest.approx(1 / 3)}
     assert verl_data_metrics(attn, rmask, 4, max_prompt_length=6)["prompt_length/clip_ratio"] == 0
-    tokens = section_tokens(attn, rmask, 4)
+    tokens = {"gen": rmask.sum().item(), "all": attn.sum().item()}  # what step_metrics divides by
     assert tokens == {"gen": 8, "all": 18}  # responses 3 + 0 + 5; prompts 4 + 2 + 4 on top
     timings = {"timing_s/gen": 0.4, "timing_s/reward": 0.1, "timing_s/ref": 0.09, "timing_s/adv": 0.018,
                "timing_s/update_actor": 0.9, "timing_s/step": 2.0}
     assert timing_per_token(timings, tokens) == {  # gen per response token, the rest per prompt + response token
         "timing_per_token_ms/gen": pytest.approx(50.0), "timing_per_token_ms/ref": pytest.approx(5.0),
         "timing_per_token_ms/adv": pytest.approx(1.0), "timing_per_token_ms/update_actor": pytest.approx(50.0)}
-
-
-def test_tail_puts_the_new_keys_after_every_older_one():
-    row = {"actor/pg_loss": 1.0, "timing_s/gen": 0.4, "prompt_length/clip_ratio": 0.5, "response/aborted_ratio": 0.0,
-           "perf/time_per_step": 2.0, "monitor/health": 1, "timing_s/save_checkpoint": 0.1}
-    out = verl_tail(dict(row), {"gen": 8, "all": 18})
-    assert list(out) == ["actor/pg_loss", "timing_s/gen", "monitor/health", "timing_s/save_checkpoint",
-                         "prompt_length/clip_ratio", "response/aborted_ratio", "perf/time_per_step",
-                         "timing_per_token_ms/gen"]
-    assert all(out[k] == v for k, v in row.items())
 
 
 def run(sft_dir, run_dir, *extra):
@@ -123,11 +113,12 @@ def test_profiled_step_writes_one_trace_and_a_summary(sft_dir, tmp_path, capsys)
     assert f"profile: global step 1 (rank 0, global_profiler.steps): trace {traces[0]}" in err
     assert "phases (s): gen " in err and "update_actor" in err and "top ops by self CPU time" in err
     assert err.count("profile: global step") == 1
-    for r in rows:  # the new keys, at the row's end
+    for r in rows:  # the new keys, after every key the step logged before them
         keys = list(r)
         new = [k for k in keys if k in ("prompt_length/clip_ratio", "response/aborted_ratio", "perf/time_per_step")
                or k.startswith("timing_per_token_ms/")]
-        assert len(new) >= 5 and keys[-len(new):] == new, keys
+        assert len(new) >= 5 and keys.index(new[0]) > keys.index("training/epoch"), keys
+        assert keys[keys.index(new[0]):keys.index(new[0]) + len(new)] == new, keys
         assert r["perf/time_per_step"] == r["timing_s/step"] and r["response/aborted_ratio"] == 0
         assert 0 <= r["prompt_length/clip_ratio"] <= 1 and all(math.isfinite(r[k]) for k in new)
         assert r["timing_per_token_ms/gen"] == pytest.approx(

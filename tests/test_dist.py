@@ -9,13 +9,13 @@
   parameters are DTensors on a 1-rank mesh, and the update equals the unwrapped one.
 - FSDP2's collectives, counted inside the processes (check_collectives): at world size 1 the
   gradients of the micro-batches of a mini-batch (4) are reduced once per unit per optimizer step
-  (dist.no_sync), 3 a step, not 3 per micro-batch; over 2 processes each micro-batch (2, or 4 in
+  (shard.no_sync), 3 a step, not 3 per micro-batch; over 2 processes each micro-batch (2, or 4 in
   the `budget` case) reduce-scatters; at world size 1 no unit reshards after forward (one gather per unit - torch 2.13
   copies and casts a 1-rank shard - for a no-grad pass over 4 micro-batches, against 9 with
   resharding), except with offloaded shards.
 - FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over 2 processes against
   one process computing in bf16 from fp32 masters through casts (tests/dist_worker.py).
-- CPU offload (dist.wrap's CPUOffloadPolicy; dist.offload_optimizer's state between steps): the
+- CPU offload (shard.wrap's CPUOffloadPolicy; shard.offload_optimizer's state between steps): the
   FSDP2 update with either equals the one without (<= 1e-6) and the 1-process one, the shards and
   the optimizer state sit on CPU, and - since on a CPU-only box everything does - every FSDP2
   module's param group carries the CPUOffloadPolicy (absent without offload), so a flag that never
@@ -126,8 +126,8 @@ def test_processes_match_one(reference, tmp_path, strategy, spec, mode, nproc, d
 
 def check_collectives(c, nproc, spec, offload):
     """At world size 1 FSDP2's gradient reduction happens once per unit per optimizer step, in the last
-    micro-batch (dist.no_sync; over 2 ranks once per micro-batch), and at world size 1 the units stay gathered from a forward to the next backward
-    (dist.wrap's reshard_after_forward=False) unless their shards are offloaded."""
+    micro-batch (shard.no_sync; over 2 ranks once per micro-batch), and at world size 1 the units stay gathered from a forward to the next backward
+    (shard.wrap's reshard_after_forward=False) unless their shards are offloaded."""
     units, layers = 3, 2  # the two decoder layers and the root
     # the critic's 2 epochs, then the actor's, each one mini-batch of several micro-batches
     assert len(c["steps"]) == 4
@@ -172,46 +172,46 @@ def test_offload_keys_by_strategy(monkeypatch, capsys):
     torchrun with fsdp2, param_offload -> the policy (and a note: the optimizer state follows the
     shards), optimizer_offload alone -> the state between steps, both -> the policy alone."""
     from types import SimpleNamespace as NS
-    from nanokl import dist
+    from nanokl import dist, shard
     cpu, cuda, key = torch.device("cpu"), torch.device("cuda"), "actor_rollout_ref.actor"
     both, params = NS(param_offload=True, optimizer_offload=True), NS(param_offload=True, optimizer_offload=False)
     state = NS(param_offload=False, optimizer_offload=True)
-    assert dist.offload_setting(key, "fsdp2", cuda, NS(param_offload=False, optimizer_offload=False)) == (False, False)
+    assert shard.offload_setting(key, "fsdp2", cuda, NS(param_offload=False, optimizer_offload=False)) == (False, False)
     for strategy, why in (("none", "strategy=none"), ("ddp", "strategy=ddp"), ("fsdp2", "without torchrun")):
-        assert dist.offload_setting(key, strategy, cuda, both) == (False, False)
+        assert shard.offload_setting(key, strategy, cuda, both) == (False, False)
         err = capsys.readouterr().err
         keys = f"{key}.fsdp_config.param_offload / {key}.fsdp_config.optimizer_offload"
         assert err.count("\n") == 1 and why in err and keys in err
     monkeypatch.setattr(dist, "active", lambda: True)
     monkeypatch.setattr(dist, "rank", lambda: 0)
-    assert dist.offload_setting(key, "fsdp2", cuda, params) == (True, False)
+    assert shard.offload_setting(key, "fsdp2", cuda, params) == (True, False)
     assert "optimizer state lives on CPU too" in capsys.readouterr().err
-    assert dist.offload_setting(key, "fsdp2", cuda, state) == (False, True)
-    assert dist.offload_setting(key, "fsdp2", cuda, both) == (True, False)
-    assert dist.offload_setting(key, "fsdp2", cuda, state, trainable=False) == (False, False)  # a frozen reference
+    assert shard.offload_setting(key, "fsdp2", cuda, state) == (False, True)
+    assert shard.offload_setting(key, "fsdp2", cuda, both) == (True, False)
+    assert shard.offload_setting(key, "fsdp2", cuda, state, trainable=False) == (False, False)  # a frozen reference
     assert capsys.readouterr().err == ""
-    assert dist.offload_setting(key, "fsdp2", cpu, params) == (True, False)
+    assert shard.offload_setting(key, "fsdp2", cpu, params) == (True, False)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "optimizer state lives on CPU too" in err and "nothing moves" in err
-    assert dist.offload_setting(key, "fsdp2", cpu, params, trainable=False) == (True, False)
+    assert shard.offload_setting(key, "fsdp2", cpu, params, trainable=False) == (True, False)
     assert "optimizer" not in capsys.readouterr().err  # a frozen model has no optimizer state to speak of
 
 
 def test_optimizer_offload_moves_the_state_around_each_step(monkeypatch):
-    """dist.offload_optimizer: the same steps as without it; before each step the state goes to the
+    """shard.offload_optimizer: the same steps as without it; before each step the state goes to the
     parameters' device, after it to the CPU (recorded: on a CPU-only box both are the CPU), and a
     loaded state is sent back to the CPU. Adam's 0-dim step count is left where torch keeps it."""
-    from nanokl import dist
+    from nanokl import shard
     moves = []
-    real = dist._move_state
-    monkeypatch.setattr(dist, "_move_state", lambda opt, home: (moves.append(home), real(opt, home))[1])
+    real = shard._move_state
+    monkeypatch.setattr(shard, "_move_state", lambda opt, home: (moves.append(home), real(opt, home))[1])
 
     def train(offload):
         torch.manual_seed(0)
         m = torch.nn.Linear(4, 3)
         opt = torch.optim.AdamW(m.parameters(), lr=0.1)
         if offload:
-            dist.offload_optimizer(opt)
+            shard.offload_optimizer(opt)
         for _ in range(2):
             m(torch.randn(5, 4)).square().sum().backward()
             opt.step()
@@ -223,7 +223,7 @@ def test_optimizer_offload_moves_the_state_around_each_step(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), m.parameters()))
     state = opt.state[m.weight]
     assert state["exp_avg"].device.type == "cpu" and state["step"].dim() == 0
-    dist.load_optimizer_state(m, opt, dist.optimizer_state(m, opt))
+    shard.load_optimizer_state(m, opt, shard.optimizer_state(m, opt))
     assert moves[-1] is False
 
 
@@ -235,7 +235,7 @@ TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data
 
 # ddp over 2 processes; fsdp2 over 1, as the one-GPU check runs it (a process group, sharded, a rollout copy).
 # Both set fsdp_config's offload keys: fsdp2 offloads the actor's and the reference's shards and the
-# critic's optimizer state (nanokl/dist.py), ddp says in one line that it has nothing to offload
+# critic's optimizer state (nanokl/shard.py), ddp says in one line that it has nothing to offload
 OFFLOAD = ["actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true",
            "critic.model.fsdp_config.optimizer_offload=true"]
 

@@ -158,7 +158,7 @@ def test_update_gradient_equals_float64_per_pair_formula(loss_type, fp32_logits,
     # The whole path a training step takes: a model's micro-batched response log-probs, their
     # masked sums (nanokl sums log-probs over the response for IPO too; TRL's "ipo" averages them),
     # the per-pair loss and its mean over pairs (two micro-batches accumulating). A step takes
-    # both models' logits in fp32 (workers.response_logits), which alone puts ~1e-6 on h (measured:
+    # both models' logits in fp32 (forwards.response_logits), which alone puts ~1e-6 on h (measured:
     # 2e-6 on an IPO loss of 1.8): so the update is checked to 1e-6 with float64 logits (the same
     # slicing, no cast) and to float32 rounding as trained. Reference: each row run alone,
     # unpadded, in float64, and the papers' gradient written out:
@@ -167,7 +167,7 @@ def test_update_gradient_equals_float64_per_pair_formula(loss_type, fp32_logits,
     from types import SimpleNamespace
     from nanokl import dpo
     from nanokl.batching import Batching
-    from nanokl.workers import compute_log_probs
+    from nanokl.forwards import compute_log_probs
     from test_workers import Recorder, rollout_batch, tiny
 
     beta, T = 0.3, 0.8

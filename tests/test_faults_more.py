@@ -23,8 +23,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 import generate
 import train_ppo
@@ -37,32 +35,12 @@ TINY = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), "data.num_train=6
         "data.train_batch_size=8", "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.logger=[jsonl]", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "trainer.total_training_steps=5", "trainer.save_freq=5"]  # the last step only
-QUIET = ("timing", "perf/throughput", "perf/time_per_step")
-
-
 def args(sft_dir, run_dir, *extra):
     return [*TINY, f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={run_dir}", *extra]
 
 
 from test_bad_input import one_error, train_cli as cli  # noqa: E402  (train_ppo.py's CLI in this process)
-
-
-def rows(run_dir):
-    return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl") if line.strip()]
-
-
-def same_run(a, b):
-    """The last checkpoint's actor weights and beta, and every metrics row (timings aside), bit for bit."""
-    ca, cb = latest_checkpoint(a), latest_checkpoint(b)
-    assert ca.name == cb.name
-    wa, wb = load_file(ca / "actor" / "model.safetensors"), load_file(cb / "actor" / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), "actor weights differ"
-    assert load_state(ca)[1]["kl_ctrl"] == load_state(cb)[1]["kl_ctrl"]
-    ra, rb = rows(a), rows(b)
-    assert [r["training/global_step"] for r in ra] == [r["training/global_step"] for r in rb]
-    for x, y in zip(ra, rb):
-        assert {k: v for k, v in x.items() if not k.startswith(QUIET)} == \
-            {k: v for k, v in y.items() if not k.startswith(QUIET)}
+from test_faults import rows, same_run  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------

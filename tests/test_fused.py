@@ -2,7 +2,7 @@
 
 - A fused copy keeps the model's parameter names and shapes, computes its logits (a left-padded
   prefill and decoding through the cache, <= 1e-5 fp32), and a weight update copied in by name
-  (dist.sync_rollout_weights) reaches the fused matrices, whose views the old parameters are.
+  (shard.sync_rollout_weights) reaches the fused matrices, whose views the old parameters are.
 - Its pieces against their unfused formulas: `linear_plus` is residual + x W^T + b in both GEMM
   orientations (a CPU decode shape and a training one), `rope_rotation` is x cos + rotate_half(x) sin.
 The kernel count itself: tests/test_decode_ops.py.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanokl import dist
+from nanokl import shard
 from nanokl import model as M
 from nanokl.fused import fuse_for_rollout, linear_plus, rope_rotation
 
@@ -40,7 +40,7 @@ def batch(B=3, T=10, V=97, pad=(4, 0, 2)):
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_fused_rollout_copy_equals_actor_and_takes_weights_by_name(kind):
     """fuse_for_rollout: same names and shapes, the unfused logits (padded prefill + decode through
-    the cache, <= 1e-5 fp32), and a weight update copied in by name (dist.sync_rollout_weights)
+    the cache, <= 1e-5 fp32), and a weight update copied in by name (shard.sync_rollout_weights)
     reaches the fused matrices, because the old parameters are views into them."""
     actor = random_model(kind)
     copy = random_model(kind)
@@ -66,7 +66,7 @@ def test_fused_rollout_copy_equals_actor_and_takes_weights_by_name(kind):
         for p in actor.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     before = run(copy)
-    dist.sync_rollout_weights(copy, actor)
+    shard.sync_rollout_weights(copy, actor)
     assert (run(copy) - run(actor)).abs().max() <= 1e-5
     assert (before - run(actor)).abs().max() > 1e-2  # the update was big enough to see
 

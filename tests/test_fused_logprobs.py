@@ -29,7 +29,7 @@ from nanokl.fused import chunked_log_probs
 
 
 def plain(hidden, weight, labels, temperature):
-    """Today's path (workers.response_logits + ppo): full logits, at least fp32, over the temperature."""
+    """Today's path (forwards.response_logits + ppo): full logits, at least fp32, over the temperature."""
     z = F.linear(hidden, weight)
     z = z.to(torch.promote_types(z.dtype, torch.float32)) / temperature
     return ppo.logprobs_from_logits(z, labels), ppo.entropy_from_logits(z)

@@ -6,7 +6,7 @@ safetensors; tqdm is not on the list because torch itself imports it). Checked i
 interpreter, so nothing imported by another test can hide a violation.
 
 README's course has two tables: the lessons (the RL ideas, in the order ppo_step uses them) and the
-engine appendix (attention, model, graphs, fused, batching, dist: speed and many processes). Reading
+engine appendix (attention, model, graphs, fused, batching, dist, shard: speed and many processes). Reading
 order is not import order; the layers are: a lesson imports torch, the standard library, lessons and
 engine modules; an engine module imports torch, the standard library and engine modules only, never
 a lesson. Checked on the source with `ast` (imports inside functions count too), together with: every
@@ -26,7 +26,7 @@ LESSON = sorted(p.stem for p in (ROOT / "nanokl").glob("*.py") if p.stem != "__i
 # Optional GPU kernels a lesson module may import lazily, inside the function that runs them and
 # only when installed (nanokl/attention.py: flash-attn's varlen kernel). Never at module level.
 OPTIONAL_KERNELS = {"flash_attn"}
-ENGINE = {"attention", "model", "graphs", "fused", "batching", "dist"}  # README's engine appendix
+ENGINE = {"attention", "model", "graphs", "fused", "batching", "dist", "shard"}  # README's engine appendix
 COURSE_STARTS_BEFORE = 80
 
 

@@ -214,7 +214,7 @@ def test_compiled_layers_equal_eager_and_stop_compiling_after_warm_up():
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
     from test_workers import rollout_batch, tiny
-    from nanokl import workers as W
+    from nanokl import forwards
     from nanokl.batching import Batching
     compiles = []
 
@@ -228,8 +228,8 @@ def test_compiled_layers_equal_eager_and_stop_compiling_after_warm_up():
     for family, sizes in (("packed", (2, 3, 8)), ("padded", (2, 5))):
         for size in sizes:
             spec = Batching(micro_size=size, packed=family == "packed")
-            want, _ = W.compute_log_probs(eager, batch, 0.7, spec)
-            got, _ = W.compute_log_probs(compiled, batch, 0.7, spec)
+            want, _ = forwards.compute_log_probs(eager, batch, 0.7, spec)
+            got, _ = forwards.compute_log_probs(compiled, batch, 0.7, spec)
             assert torch.equal(want, got), (family, size)
             warm.setdefault(family, len(compiles))
         assert len(compiles) == warm[family], f"{family}: recompiled after the first micro-batch ({compiles})"
@@ -237,7 +237,7 @@ def test_compiled_layers_equal_eager_and_stop_compiling_after_warm_up():
     # gradients through the compiled layers
     for m in (eager, compiled):
         m.zero_grad()
-        W.response_logits(m.train(), batch, 0.7).logsumexp(-1).sum().backward()
+        forwards.response_logits(m.train(), batch, 0.7).logsumexp(-1).sum().backward()
     for p, q in zip(eager.parameters(), compiled.parameters()):
         assert torch.equal(p.grad, q.grad)
     torch._dynamo.reset()

@@ -12,16 +12,15 @@ a verl command with no --config included; its warnings change no result, and act
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-import train_ppo
 from nanokl.harness.config import KLMonitorConfig
 from nanokl.harness.config_load import parse_cli
 from nanokl.harness.config_notes import startup_notes
 from nanokl.harness.tracking import read_metrics
+from test_bad_input import train_cli
 from test_monitor_runs import first_streak_end
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,18 +40,6 @@ def verl_args(sft_dir, tmp_path, run_dir, *extra):
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "trainer.logger=[console,jsonl]",
             "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.device=cpu",
             f"trainer.default_local_dir={run_dir}", *extra]
-
-
-def train(argv, capfd):
-    """train_ppo.py's command line in this process: (exit status, stderr)."""
-    capfd.readouterr()
-    old, sys.argv = sys.argv, ["train_ppo.py", *map(str, argv)]
-    try:
-        with pytest.raises(SystemExit) as info:
-            train_ppo.cli()
-    finally:
-        sys.argv = old
-    return info.value.code, capfd.readouterr().err
 
 
 def test_the_monitor_is_on_and_only_warns_by_default():
@@ -91,11 +78,11 @@ def test_an_action_given_without_enable_is_named_in_the_line(capsys):
 
 @pytest.mark.parametrize("kl", [[], ["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.optim.lr=1e-3"]],
                          ids=["verl_defaults", "kl_in_reward"])  # verl's defaults have no KL: the KL checks skip
-def test_a_verl_run_gets_the_checklist_and_its_metrics_are_unchanged(sft_dir, tmp_path, capfd, kl):
+def test_a_verl_run_gets_the_checklist_and_its_metrics_are_unchanged(sft_dir, tmp_path, capfd, monkeypatch, kl):
     runs = {}
     for name, extra in (("default", []), ("off", ["trainer.kl_monitor.enable=false"])):
-        code, err = train(verl_args(sft_dir, tmp_path, tmp_path / name, "trainer.total_training_steps=10", *kl,
-                                    *extra), capfd)
+        code, err = train_cli(verl_args(sft_dir, tmp_path, tmp_path / name, "trainer.total_training_steps=10", *kl,
+                                        *extra), capfd, monkeypatch)
         assert code == 0, err[-3000:]
         runs[name] = ([r for r in read_metrics(tmp_path / name) if "actor/pg_loss" in r], err)
     (on, err_on), (off, err_off) = runs["default"], runs["off"]
@@ -118,15 +105,15 @@ BLOW_UP = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0", "ac
 
 
 
-def test_a_runaway_only_warns_by_default_and_stops_where_asked(sft_dir, tmp_path, capfd):
-    code, err = train(verl_args(sft_dir, tmp_path, tmp_path / "warn", *BLOW_UP), capfd)
+def test_a_runaway_only_warns_by_default_and_stops_where_asked(sft_dir, tmp_path, capfd, monkeypatch):
+    code, err = train_cli(verl_args(sft_dir, tmp_path, tmp_path / "warn", *BLOW_UP), capfd, monkeypatch)
     assert code == 0, err[-3000:]
     rows = [r for r in read_metrics(tmp_path / "warn") if "actor/pg_loss" in r]
     fired = first_streak_end(rows)
     assert fired is not None and fired < 12, "the blow-up run never crossed kl_stop twice in a row"
     assert len(rows) == 12 and f"kl_monitor step {fired}: warn: kl_stop" in err  # warned, went on
-    code, err = train(verl_args(sft_dir, tmp_path, tmp_path / "stop", *BLOW_UP,
-                                "trainer.kl_monitor.kl_stop_action=stop"), capfd)
+    code, err = train_cli(verl_args(sft_dir, tmp_path, tmp_path / "stop", *BLOW_UP,
+                                "trainer.kl_monitor.kl_stop_action=stop"), capfd, monkeypatch)
     assert code == 0, err[-3000:]
     rows = [r for r in read_metrics(tmp_path / "stop") if "actor/pg_loss" in r]
     assert rows[-1]["training/global_step"] == fired == first_streak_end(rows)

@@ -2,7 +2,7 @@
 and the reference, a bf16 fused rollout copy for generation (nanokl/harness/run.py's `setup`).
 
 - Step-0 KL is exactly 0: the reference is loaded like the actor (fp32) and runs under the same
-  autocast (workers.AUTOCAST), so on the same tokens both compute the same numbers. The old setup
+  autocast (forwards.AUTOCAST), so on the same tokens both compute the same numbers. The old setup
   (reference in bf16 weights) gives a nonzero KL at step 0: the control.
 - rollout/log_prob_max_diff, the largest |rollout log-prob - training log-prob| over response
   tokens, stays within 2^-6 max|logit|. Why that bound: bf16 keeps 8 significant bits, so one
@@ -12,13 +12,13 @@ and the reference, a bf16 fused rollout copy for generation (nanokl/harness/run.
   allow two ulps of the largest logit on each side: 4 x 2^-8 = 2^-6 max|z|. Measured: 0.024 nats
   at max|z| = 3.0 (bound 0.047).
 - Autocast really ran on the CPU (its log-probs differ from plain fp32), and the default CPU path
-  stays plain fp32 (workers.autocast is a no-op without the test's setting).
+  stays plain fp32 (forwards.autocast is a no-op without the test's setting).
 """
 
 import torch
 
 from nanokl import model as M
-from nanokl import workers as W
+from nanokl import forwards
 from nanokl.fused import fuse_for_rollout
 from nanokl.kl import kl_penalty
 from nanokl.rollout import generate
@@ -46,18 +46,18 @@ def test_cuda_precision_setup_on_cpu(monkeypatch):
     batch = {k: getattr(out, k) for k in ("sequences", "attention_mask", "position_ids", "responses", "response_mask")}
     rm = out.response_mask.bool()
 
-    assert "cpu" not in W.AUTOCAST  # the default CPU run: plain fp32
-    fp32, _ = W.compute_log_probs(actor, batch, 1.0)
-    monkeypatch.setitem(W.AUTOCAST, "cpu", torch.bfloat16)
-    old, _ = W.compute_log_probs(actor, batch, 1.0)
-    ref_logp, _ = W.compute_log_probs(ref, batch, 1.0)
+    assert "cpu" not in forwards.AUTOCAST  # the default CPU run: plain fp32
+    fp32, _ = forwards.compute_log_probs(actor, batch, 1.0)
+    monkeypatch.setitem(forwards.AUTOCAST, "cpu", torch.bfloat16)
+    old, _ = forwards.compute_log_probs(actor, batch, 1.0)
+    ref_logp, _ = forwards.compute_log_probs(ref, batch, 1.0)
     assert (old - fp32)[rm].abs().max() > 0  # autocast ran
 
     # step-0 KL: exactly zero, by every estimator
     assert torch.equal(old, ref_logp)
     for kind in ("k1", "k3"):
         assert (kl_penalty(old, ref_logp, kind)[rm] == 0).all()
-    bf16_ref, _ = W.compute_log_probs(copy_of(actor, torch.bfloat16), batch, 1.0)  # the old setup
+    bf16_ref, _ = forwards.compute_log_probs(copy_of(actor, torch.bfloat16), batch, 1.0)  # the old setup
     assert (old - bf16_ref)[rm].abs().max() > 1e-3
 
     # rollout vs training log-probs: within two bf16 ulps of the largest logit on each side

@@ -120,7 +120,7 @@ def test_dpo_in_the_offline_step(sft_dir, tmp_path, logged_file, monkeypatch):
 def test_dpo_micro_batches_equal_one_batch(sft_dir, logged_file):
     """One pair per micro-batch accumulates exactly the gradient of the whole mini-batch's DPO loss."""
     from types import SimpleNamespace
-    from nanokl import dpo, workers
+    from nanokl import dpo, forwards
     from nanokl.batching import Batching
     from nanokl.harness.hf_format import from_pretrained
     from nanokl.harness.logged import draw_responses, logged_batch, read_logged
@@ -130,7 +130,7 @@ def test_dpo_micro_batches_equal_one_batch(sft_dir, logged_file):
     out = logged_batch(rows, [draw_responses(r, 2, 0, 0, i) for i, r in enumerate(rows)], tok)
     batch = {k: getattr(out, k) for k in ("sequences", "attention_mask", "position_ids", "responses", "response_mask")}
     ref = from_pretrained(sft_dir)
-    batch["ref_log_probs"], _ = workers.compute_log_probs(ref, batch, 1.0)
+    batch["ref_log_probs"], _ = forwards.compute_log_probs(ref, batch, 1.0)
     a = SimpleNamespace(loss_mode="dpo", ppo_epochs=1, grad_clip=1e9)
     params = []
     for micro in (None, 2):

@@ -162,16 +162,16 @@ def test_full_kl_in_the_reward_equals_kl_div_recomputed(sft_dir, tmp_path, monke
 
     import torch.nn.functional as F
 
-    from nanokl import dist, workers
+    from nanokl import forwards, shard
     seen = []
-    original = workers.compute_full_kl
+    original = forwards.compute_full_kl
 
     def spy(actor, ref, batch, temperature, spec):
         out = original(actor, ref, batch, temperature, spec)
-        models = copy.deepcopy(dist.unwrap(actor)).double(), copy.deepcopy(dist.unwrap(ref)).double()
+        models = copy.deepcopy(shard.unwrap(actor)).double(), copy.deepcopy(shard.unwrap(ref)).double()
         seen.append((models, {k: v.clone() for k, v in batch.items() if v is not None}, temperature, out))
         return out
-    monkeypatch.setattr(workers, "compute_full_kl", spy)
+    monkeypatch.setattr(forwards, "compute_full_kl", spy)
     rows = run(sft_dir, tmp_path, "algorithm.kl_penalty=full", "trainer.test_freq=-1")
     assert len(seen) == 2  # one per step
     for step, ((policy, ref), batch, temperature, out) in enumerate(seen, start=1):

@@ -79,14 +79,15 @@ def test_config_step_at_least_4x_fewer_ops_than_first(step):
 
 def test_the_bench_sees_a_sync_inside_a_loop(monkeypatch):
     bench = load_bench()
-    plain = bench.workers.critic_values
+    plain = bench.forwards.critic_values
 
     def reading(critic, mb, inputs):
         out = plain(critic, mb, inputs)
         bool(out.isfinite().all())  # a device read per micro-batch
         torch.tensor([1.0], device=out.device)  # a blocking host-to-device copy (no dispatch shows it)
         return out
-    monkeypatch.setattr(bench.workers, "critic_values", reading)
+    for module in (bench.forwards, bench.workers):  # the values pass and the critic's update look it up
+        monkeypatch.setattr(module, "critic_values", reading)
     res = bench.summarize(bench.count_step(bench.settings("config"), "0.5b", layers=1))
     for phase in ("values", "update_critic"):
         m = res[phase]["micro"]

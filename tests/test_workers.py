@@ -1,4 +1,4 @@
-"""nanokl.workers: the micro-batched forwards and updates against one-batch / float64 references.
+"""nanokl.forwards and nanokl.workers: the micro-batched forwards and updates against one-batch / float64 references.
 
 - Response log-probs equal a per-sequence float64 reference (each row run alone, unpadded).
 - Critic values are read at the positions that precede each response token.
@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanokl import forwards
 from nanokl import workers as W
 from nanokl import model as M
 from nanokl.batching import Batching
@@ -70,7 +71,7 @@ class Recorder(torch.optim.Optimizer):
 def test_log_probs_equal_per_sequence_float64_reference():
     m = tiny().eval()
     batch, out = rollout_batch(m)
-    logp, ent = W.compute_log_probs(m, batch, temperature=0.7, spec=Batching(micro_size=4), with_entropy=True)
+    logp, ent = forwards.compute_log_probs(m, batch, temperature=0.7, spec=Batching(micro_size=4), with_entropy=True)
     m64 = tiny().double().eval()
     P = out.prompt_length
     for b in range(len(batch["responses"])):
@@ -89,7 +90,7 @@ def test_log_probs_equal_per_sequence_float64_reference():
 def test_values_are_read_before_each_response_token():
     critic = tiny(M.ValueModel).eval()
     batch, out = rollout_batch(tiny().eval())
-    values = W.compute_values(critic, batch, Batching(micro_size=5))
+    values = forwards.compute_values(critic, batch, Batching(micro_size=5))
     with torch.no_grad():
         full = critic(batch["sequences"], batch["attention_mask"], batch["position_ids"])
     P = out.prompt_length
@@ -103,7 +104,7 @@ def test_micro_batched_gradient_equals_the_mini_batch_gradient(mode):
     m.train()
     g = torch.Generator().manual_seed(1)
     rmask = batch["response_mask"]
-    batch["old_log_probs"], _ = W.compute_log_probs(m, batch, 1.0)
+    batch["old_log_probs"], _ = forwards.compute_log_probs(m, batch, 1.0)
     batch["old_log_probs"] = batch["old_log_probs"] + 0.3 * torch.randn(rmask.shape, generator=g) * rmask
     batch["ref_log_probs"] = batch["old_log_probs"] - 0.2 * torch.rand(rmask.shape, generator=g)
     batch["advantages"] = torch.randn(rmask.shape, generator=g)
@@ -115,7 +116,7 @@ def test_micro_batched_gradient_equals_the_mini_batch_gradient(mode):
 
     # reference: the whole mini-batch in one forward, the loss written out here
     m.zero_grad()
-    logits = W.response_logits(m, batch, 1.0)
+    logits = forwards.response_logits(m, batch, 1.0)
     logp = torch.log_softmax(logits, -1).gather(-1, batch["responses"][..., None])[..., 0]
     pg, _ = compute_policy_loss(batch["old_log_probs"], logp, batch["advantages"], rmask, 0.2, 0.28, 3.0, mode,
                                 horizon=R)
@@ -172,7 +173,7 @@ def test_full_kl_equals_per_sequence_float64_kl_div():
     pol, ref = tiny(seed=0).eval(), tiny(seed=1).eval()
     batch, out = rollout_batch(pol)
     end_early(batch, out.prompt_length)
-    kl = W.compute_full_kl(pol, ref, batch, 0.7, Batching(micro_size=4))
+    kl = forwards.compute_full_kl(pol, ref, batch, 0.7, Batching(micro_size=4))
     pol64, ref64 = tiny(seed=0).double().eval(), tiny(seed=1).double().eval()
     P, rmask = out.prompt_length, batch["response_mask"]
     assert kl.shape == rmask.shape and kl.dtype == torch.float32
@@ -195,10 +196,10 @@ def test_full_kl_does_not_depend_on_the_micro_batching():
     pol, ref = tiny(seed=0).eval(), tiny(seed=1).eval()
     batch, out = rollout_batch(pol, B=7)
     end_early(batch, out.prompt_length)
-    one = W.compute_full_kl(pol, ref, batch, 0.7)
+    one = forwards.compute_full_kl(pol, ref, batch, 0.7)
     assert one.abs().max() > 0.1
     for spec in budget_specs(batch):
-        assert (W.compute_full_kl(pol, ref, batch, 0.7, spec) - one).abs().max() <= 2e-6, spec
+        assert (forwards.compute_full_kl(pol, ref, batch, 0.7, spec) - one).abs().max() <= 2e-6, spec
 
 
 def full_loss_setup(mode):
@@ -207,7 +208,7 @@ def full_loss_setup(mode):
     end_early(batch, out.prompt_length)
     pol.train()
     rmask = batch["response_mask"]
-    batch["old_log_probs"], _ = W.compute_log_probs(pol, batch, 0.7)
+    batch["old_log_probs"], _ = forwards.compute_log_probs(pol, batch, 0.7)
     batch["advantages"] = torch.zeros(rmask.shape)  # no policy-gradient term: the KL loss alone
     # no kl_loss_coef attribute: update_actor must take the coefficient it is given
     a = SimpleNamespace(loss_mode="ppo", policy_loss=VANILLA,
@@ -292,7 +293,7 @@ def test_full_kl_loss_runs_over_epochs_and_needs_the_reference():
     (False, True, True, 1.0, False),
 ])
 def test_when_rollout_log_probs_are_the_old_ones(mode, same, do_sample, temperature, expected):
-    assert W.rollout_log_probs_are_old(mode, same_numerics=same, do_sample=do_sample,
+    assert forwards.rollout_log_probs_are_old(mode, same_numerics=same, do_sample=do_sample,
                                        temperature=temperature) is expected
 
 
@@ -314,7 +315,7 @@ def test_rollout_log_probs_give_the_recomputed_update(top_k, top_p, spec):
     batch = {"sequences": out.sequences, "attention_mask": out.attention_mask, "position_ids": out.position_ids,
              "responses": out.responses, "response_mask": out.response_mask}
     rmask = out.response_mask
-    recomputed, ent = W.compute_log_probs(m, batch, 0.7, with_entropy=True)
+    recomputed, ent = forwards.compute_log_probs(m, batch, 0.7, with_entropy=True)
     assert ((out.log_probs - recomputed).abs() * rmask).max() <= 1e-5
     batch["ref_log_probs"] = recomputed - 0.1 * torch.rand(rmask.shape, generator=g)
     batch["advantages"] = torch.randn(rmask.shape, generator=g)
@@ -344,7 +345,7 @@ def test_entropy_is_recorded_on_the_first_pass_over_each_row():
     m = tiny().train()
     batch, _ = rollout_batch(m.eval(), B=6)
     rmask = batch["response_mask"]
-    batch["old_log_probs"], before = W.compute_log_probs(m, batch, 1.0, with_entropy=True)
+    batch["old_log_probs"], before = forwards.compute_log_probs(m, batch, 1.0, with_entropy=True)
     batch["advantages"] = torch.randn(rmask.shape, generator=torch.Generator().manual_seed(2))
     a = SimpleNamespace(loss_mode="ppo", policy_loss=VANILLA,
                         loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
@@ -355,7 +356,7 @@ def test_entropy_is_recorded_on_the_first_pass_over_each_row():
     class Snap(torch.optim.SGD):  # the entropy of every row right after each optimizer step
         def step(self):
             super().step()
-            seen.append(W.compute_log_probs(m, batch, 1.0, with_entropy=True)[1])
+            seen.append(forwards.compute_log_probs(m, batch, 1.0, with_entropy=True)[1])
     _, got = W.update_actor(m.train(), Snap(m.parameters(), lr=0.5), batch, a, 1.0, mini_size=3, kl_loss_coef=0.0,
                             record_entropy=True)
     assert ((got[:3] - before[:3]).abs() * rmask[:3]).max() <= 1e-5

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nanokl import forwards
 from nanokl import workers as W
 from nanokl.batching import Batching
 from nanokl.model import ValueModel
@@ -51,7 +52,8 @@ def test_no_sync_inside_the_micro_batch_loops(monkeypatch, spec):
     batch = {k: v.cuda() for k, v in batch.items()}
     actor, critic, ref = tiny().cuda(), tiny(ValueModel, seed=1).cuda(), tiny().cuda().eval()
     calls = []
-    monkeypatch.setattr(W, "host_mask", allowed(W.host_mask, calls))
+    for module in (forwards, W):  # the forwards' loop reads it, and the updates'
+        monkeypatch.setattr(module, "host_mask", allowed(module.host_mask, calls))
     monkeypatch.setattr(W, "_step", allowed(W._step, calls))
     g = torch.Generator(device="cuda").manual_seed(0)
     mask = batch["response_mask"]
@@ -60,9 +62,9 @@ def test_no_sync_inside_the_micro_batch_loops(monkeypatch, spec):
                         kl_loss_type="low_var_kl", ppo_epochs=1, shuffle=True, grad_clip=1.0)
     c = SimpleNamespace(loss_agg_mode="token-mean", cliprange_value=0.5, ppo_epochs=1, shuffle=False, grad_clip=1.0)
     with sync_mode("error"):
-        batch["old_log_probs"], _ = W.compute_log_probs(actor, batch, 1.0, spec, with_entropy=True)
-        batch["ref_log_probs"], _ = W.compute_log_probs(ref, batch, 1.0, spec)
-        batch["values"] = W.compute_values(critic, batch, Batching(**{**vars(spec), "chunk": None}))
+        batch["old_log_probs"], _ = forwards.compute_log_probs(actor, batch, 1.0, spec, with_entropy=True)
+        batch["ref_log_probs"], _ = forwards.compute_log_probs(ref, batch, 1.0, spec)
+        batch["values"] = forwards.compute_values(critic, batch, Batching(**{**vars(spec), "chunk": None}))
         batch["advantages"] = torch.randn(mask.shape, device="cuda", generator=g)
         batch["returns"] = batch["values"] + batch["advantages"]
         opt = torch.optim.AdamW(actor.parameters(), lr=1e-3)

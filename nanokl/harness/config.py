@@ -146,7 +146,7 @@ class ActorConfig(VerlActorKeys):
     optim: OptimConfig = field(default_factory=OptimConfig)
     # nanokl-only: the KL loss's coefficient kl_loss_coef fixed (verl), or steered toward a target (kl_ctrl.py)
     kl_loss_ctrl: KLLossCtrlConfig = field(default_factory=KLLossCtrlConfig)
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (offload: nanokl/dist.py)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (offload: nanokl/shard.py)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # verl's policy-loss choice: vanilla
 
 
@@ -157,7 +157,7 @@ class RefConfig(VerlRefKeys):
     log_prob_use_dynamic_bsz: bool = False  # micro-batch the reference forward by tokens
     log_prob_max_token_len_per_gpu: int = 16384  # that token budget, per GPU
     use_torch_compile: bool = True  # on CUDA, torch.compile each decoder layer of the reference
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (param_offload: nanokl/dist.py)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (param_offload: nanokl/shard.py)
 
 
 @dataclass
@@ -206,7 +206,7 @@ class CriticModelConfig(VerlCriticModelKeys):
     use_remove_padding: bool = False  # pack sequences without pad tokens
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     override_config: dict = field(default_factory=dict)  # entries replacing the checkpoint's config.json ones
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's path; offload: nanokl/dist.py
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's path; offload: nanokl/shard.py
 
 
 @dataclass
@@ -284,7 +284,7 @@ class RolloutCorrectionConfig:
     # verl's key, and verl's meaning: take pi_old's log-probs from the rollout instead of a forward of
     # the actor. verl's default is false; nanokl's "auto" turns it on only where the two are the same
     # numbers up to float error (the fp32 actor itself samples, on CPU, at the training temperature):
-    # one forward fewer per step. workers.rollout_log_probs_are_old states the rule.
+    # one forward fewer per step. forwards.rollout_log_probs_are_old states the rule.
     bypass_mode: Union[bool, Literal["auto"]] = "auto"  # true | false | auto
     # verl's truncated importance sampling (TIS): weigh each token's policy loss by min(pi_old / mu, threshold),
     # mu = the policy that sampled it (the rollout engine; offline, the logged behaviour policy). null: off

@@ -24,14 +24,14 @@ _NO_HOOKS = "nanokl has no tracing hooks (timing_s/* times each stage; global_pr
 _PROFILER = ("nanokl's roles share one process: global_profiler.steps (or trainer.profile_steps) traces whole "
              "steps, every role in them, with torch.profiler (none without them, as in verl); of a role's profiler "
              "only ranks, all_ranks and tool_config.torch.contents count (nanokl/harness/profile.py)")
-_FSDP = ("nanokl/dist.py wraps each decoder block with FSDP2, fp32 master weights under bf16 autocast; "
+_FSDP = ("nanokl/shard.py wraps each decoder block with FSDP2, fp32 master weights under bf16 autocast; "
          "only param_offload and optimizer_offload are its to set")
 _SP = "nanokl has no sequence parallelism: each GPU holds whole sequences (use_dynamic_bsz bounds memory)"
 _ENT = "nanokl's chunked kernel (use_fused_kernels) recomputes each chunk's logits in backward, always"
 _FUSED = "nanokl has no Liger or Triton kernels; use_fused_kernels chunks the log-probs in plain torch (nanokl/fused.py)"
 _CKPT = "nanokl's checkpoints hold the model, the optimizer and the trainer state, always, written synchronously"
 _VLLM = "nanokl's engine decodes each batch in lockstep; this vLLM scheduler setting has no counterpart"
-_WEIGHTS = "nanokl's rollout takes the actor's weights in place after each update (nanokl/dist.py)"
+_WEIGHTS = "nanokl's rollout takes the actor's weights in place after each update (nanokl/shard.py)"
 _UNUSED = "used only with {} (refused)"
 
 # key -> what nanokl does instead. A key whose value differs from its default (for a dict: one of the

@@ -35,9 +35,9 @@ _d = verl_section
 
 @dataclass
 class FSDPConfig:
-    """verl's `fsdp_config` of the actor, the reference and the critic (nanokl/dist.py shards with FSDP2)."""
-    param_offload: bool = False  # keep the parameters in CPU memory between uses (nanokl/dist.py)
-    optimizer_offload: bool = False  # keep the optimizer state in CPU memory between steps (nanokl/dist.py)
+    """verl's `fsdp_config` of the actor, the reference and the critic (nanokl/shard.py shards with FSDP2)."""
+    param_offload: bool = False  # keep the parameters in CPU memory between uses (nanokl/shard.py)
+    optimizer_offload: bool = False  # keep the optimizer state in CPU memory between steps (nanokl/shard.py)
     offload_policy: bool = False  # FSDP2's CPUOffloadPolicy (noted)
     reshard_after_forward: bool = True  # free the gathered parameters after each forward (noted)
     fsdp_size: int = -1  # shard group size (HSDP); -1: all ranks (noted)

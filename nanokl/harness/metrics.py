@@ -3,10 +3,9 @@
 verl's `compute_data_metrics` reports, for each per-response or per-token quantity of a batch
 (scores, rewards, advantages, returns, values, response lengths), its mean, max and min as
 `<name>/mean`, `/max`, `/min`; `compute_timing_metrics` reports seconds per phase as
-`timing_s/<phase>`; and, added later here at the end of the row (`verl_tail`, so that metrics.jsonl's
-earlier columns keep their order), prompt_length/clip_ratio, response/aborted_ratio,
-perf/time_per_step (= timing_s/step) and timing_per_token_ms/<phase> (gen per response token, ref,
-values, adv, update_critic, update_actor per prompt + response token). Under data parallelism each
+`timing_s/<phase>`; and, after the step's other numbers, prompt_length/clip_ratio,
+response/aborted_ratio, perf/time_per_step (= timing_s/step) and timing_per_token_ms/<phase> (gen per
+response token, ref, values, adv, update_critic, update_actor per prompt + response token). Under data parallelism each
 rank holds a slice of the batch, so every statistic here is reduced over ranks (sums and counts for
 means, max/min for extremes; nanokl/dist.py): the logged numbers are those of the whole global
 batch, whatever the world size.
@@ -73,11 +72,12 @@ def timer(metrics, name, device):
     metrics[f"timing_s/{name}"] = time.perf_counter() - t
 
 
-def step_metrics(run, step, out, batch, *, update, entropy, t_step, scores=None, rule_scores=None,
+def step_metrics(run, step, out, batch, *, update, entropy, t_step, phases, scores=None, rule_scores=None,
                  rewards=None) -> dict:
     """Step 7: what one step logs beyond its parts' own metrics, under verl's names, every value reduced
     over all ranks. `update` holds the per-mini-batch lists of the updates; `entropy` the [N, R]
-    entropy of π_old; scores, rule_scores and rewards are absent for DPO (no score)."""
+    entropy of π_old; `phases` the step's own metrics (its timing_s/*); scores, rule_scores and rewards are
+    absent for DPO (no score)."""
     d, W, rmask = run.cfg.data, run.world, out.response_mask
     n, R = run.cfg.actor_rollout_ref.rollout.n, run.cfg.actor_rollout_ref.rollout.response_length
     m = {k: sum(v) / len(v) for k, v in update.items() if v}
@@ -104,10 +104,11 @@ def step_metrics(run, step, out, batch, *, update, entropy, t_step, scores=None,
     m["timing_s/step"] = time.perf_counter() - t_step
     m.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / m["timing_s/step"] / W,
               "training/epoch": step // steps_per_epoch(len(run.train), d.gen_batch_size)})
-    # verl's that nanokl logged without, after all of nanokl's (verl_tail moves them to the row's end)
+    # verl's that nanokl logged without, after the others (the older keys keep their order); `tokens` counts
+    # prompt + response tokens (the attention mask covers both)
     m.update(verl_data_metrics(out.attention_mask, rmask, out.prompt_length, d.max_prompt_length))
     m["perf/time_per_step"] = m["timing_s/step"]
-    run.step_tokens = section_tokens(out.attention_mask, rmask, out.prompt_length)
+    m.update(timing_per_token({**phases, **m}, {"gen": dist.all_reduce(rmask.sum().float()).item(), "all": tokens}))
     return m
 
 
@@ -120,16 +121,7 @@ def verl_data_metrics(attention_mask, response_mask, prompt_width, max_prompt_le
             "response/aborted_ratio": dist.global_stats((response_mask.sum(-1) == 0).float())[0]}
 
 
-def section_tokens(attention_mask, response_mask, prompt_width) -> dict:
-    """All ranks' response tokens ("gen") and prompt + response tokens ("all") of a step: what verl's
-    compute_timing_metrics divides each phase's time by."""
-    prompt = dist.all_reduce(attention_mask[:, :prompt_width].sum().float()).item()
-    response = dist.all_reduce(response_mask.sum().float()).item()
-    return {"gen": response, "all": prompt + response}
-
-
 PER_TOKEN = ("gen", "ref", "values", "adv", "update_critic", "update_actor")  # verl's, in its order
-TAIL = ("prompt_length/clip_ratio", "response/aborted_ratio", "perf/time_per_step")
 
 
 def timing_per_token(metrics, tokens) -> dict:
@@ -137,15 +129,3 @@ def timing_per_token(metrics, tokens) -> dict:
     prompt + response tokens for the others; for the phases the step timed."""
     return {f"timing_per_token_ms/{k}": metrics[f"timing_s/{k}"] * 1000 / tokens["gen" if k == "gen" else "all"]
             for k in PER_TOKEN if f"timing_s/{k}" in metrics and tokens["gen" if k == "gen" else "all"] > 0}
-
-
-def verl_tail(metrics, tokens) -> dict:
-    """The row as logged: verl's metrics that nanokl added later (TAIL, then timing_per_token_ms/*) at its
-    end, after every key nanokl logged before them, so that older readers of metrics.jsonl see the same
-    columns in the same order. Returns `metrics`, reordered in place."""
-    for k in TAIL:
-        if k in metrics:
-            metrics[k] = metrics.pop(k)
-    if tokens:
-        metrics.update(timing_per_token(metrics, tokens))
-    return metrics

@@ -25,8 +25,9 @@ one for a tool other than torch (nsys, npu, torch_memory: their options in globa
 change nothing) and for `profile_continuous_steps` (one trace per step here).
 A bad steps value stops the run at start-up in one line.
 
-harness/run.py's `steps()` opens `StepProfiler.step(N)` around each global step, `end_step` shows
-it the step's metrics (`saw`), and `finish` closes a trace still open (a run stopped mid-step).
+harness/run.py's `steps()` opens `StepProfiler.step(N)` around each global step, harness/after_step.py's
+`end_step` shows it the step's metrics (`saw`), and `finish` closes a trace still open (a run stopped
+mid-step).
 """
 
 import os

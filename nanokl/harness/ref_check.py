@@ -53,11 +53,11 @@ tests/test_ref_check.py plants a reference that shares the actor's parameters in
 
 import torch
 
-from nanokl import dist
+from nanokl import dist, shard
 from nanokl.harness.data import encode_prompts
 from nanokl.harness.metrics import timer
 from nanokl.harness.run_state import TrainingStopped
-from nanokl.workers import compute_log_probs
+from nanokl.forwards import compute_log_probs
 
 PROBE_PROMPTS = 8  # rows of the probe: a few, so that a recheck costs one small forward
 
@@ -92,9 +92,9 @@ def shared_with(ref, model) -> tuple[str, str] | None:
     """(reference parameter, model parameter) of the first pair living in the same memory, or None."""
     if model is None:
         return None
-    owners = {_storage(p): name for name, p in dist.unwrap(model).named_parameters()}
+    owners = {_storage(p): name for name, p in shard.unwrap(model).named_parameters()}
     owners.pop(None, None)
-    for name, p in dist.unwrap(ref).named_parameters():
+    for name, p in shard.unwrap(ref).named_parameters():
         if _storage(p) in owners:
             return name, owners[_storage(p)]
     return None
@@ -102,7 +102,7 @@ def shared_with(ref, model) -> tuple[str, str] | None:
 
 def diagnose(run) -> str | None:
     """The likely reason the reference is not frozen, from the models themselves; None when none holds."""
-    ref = dist.unwrap(run.ref)
+    ref = shard.unwrap(run.ref)
     for what, model in (("actor", run.actor), ("rollout copy", run.rollout_model if run.rollout_copy else None),
                         ("critic", run.critic)):
         pair = shared_with(ref, model)

@@ -36,7 +36,7 @@ advantage estimator mid-run changes what every later step computes, and a run th
 better restarted with algorithm.adv_estimator=grpo.
 """
 
-from nanokl import dist
+from nanokl import shard
 from nanokl.harness.checkpoint import checkpoint_dir
 from nanokl.kl_ctrl import FixedKLController
 
@@ -96,10 +96,10 @@ def set_knob(run, knob, old, new):
 def reload_reference(run):
     """The reference (SFT) weights back into the actor, and the actor's Adam moments dropped: they
     belong to the weights that drifted. Rank 0 reads, every rank loads; the rollout copy follows."""
-    dist.load_full_state_dict(run.actor, dist.full_state_dict(run.ref))
+    shard.load_full_state_dict(run.actor, shard.full_state_dict(run.ref))
     run.actor_opt.state.clear()
     if run.rollout_copy:
-        dist.sync_rollout_weights(run.rollout_model, run.actor)
+        shard.sync_rollout_weights(run.rollout_model, run.actor)
 
 
 def apply(run, events):

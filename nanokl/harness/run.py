@@ -1,14 +1,14 @@
-"""The run around the PPO step: setup, resume, checkpoints, the KL monitor's actions, logging.
+"""The run around the PPO step: setup, resume, the steps; what follows each step is harness/after_step.py.
 
-train_ppo.py's `ppo_step` is the lesson; this module is what lets it run for real and survive.
-A PPO run needs more state than the step reads: models wrapped for torchrun, optimizers and their
-schedules, the two KL coefficients, the data, a tracker, a monitor, where the last healthy
-checkpoint is. All of it lives in one plain `Run` object that `setup` builds and the functions
-below read and update; no trainer class hierarchy.
+train_ppo.py's `ppo_step` is the lesson; this module and harness/after_step.py are what let it run
+for real and survive. A PPO run needs more state than the step reads: models wrapped for torchrun,
+optimizers and their schedules, the two KL coefficients, the data, a tracker, a monitor, where the
+last healthy checkpoint is. All of it lives in one plain `Run` object that `setup` builds and the
+functions below (and after_step.py's) read and update; no trainer class hierarchy.
 
     run = setup(cfg)               models (policy, frozen reference, critic when the advantage
                                    estimator needs one), a rollout copy where one is needed
-                                   (nanokl/dist.py), optimizers, KL controllers, the task's
+                                   (nanokl/shard.py), optimizers, KL controllers, the task's
                                    examples; the warm start / reward model trained first when
                                    missing; the reference's storage test and its probe
                                    (harness/ref_check.py); resume from the latest checkpoint
@@ -17,15 +17,16 @@ below read and update; no trainer class hierarchy.
                                    set aside when it starts over (harness/run_state.py)
     for step in steps(run):
         metrics = ppo_step(run, step)
-        if not end_step(run, step, metrics):     validation every test_freq, the NaN guard, the
-            break                                KL monitor (warn, adjust, stop, roll back), the
-                                                 reference check every ref_check_freq steps,
-                                                 checkpoint every save_freq (and on a preemption
-                                                 signal), one metrics.jsonl row (written before
-                                                 that step's checkpoint commits)
-    finish(run)                    close the tracker; the run's summary, printed and written as
-                                   summary.json beside metrics.jsonl (harness/summary.py); the
-                                   folder's lock released
+        if not end_step(run, step, metrics):     (harness/after_step.py) validation every test_freq,
+            break                                the NaN guard, the KL monitor (warn, adjust, stop,
+                                                 roll back), the reference check every
+                                                 ref_check_freq steps, checkpoint every save_freq
+                                                 (and on a preemption signal), one metrics.jsonl
+                                                 row (written before that step's checkpoint
+                                                 commits)
+    finish(run)                    (harness/after_step.py) close the tracker; the run's summary,
+                                   printed and written as summary.json beside metrics.jsonl
+                                   (harness/summary.py); the folder's lock released
 
 The two KL coefficients are controllers (nanokl/kl_ctrl.py): `run.kl_ctrl` is beta in the reward
 (fixed or adaptive, algorithm.kl_ctrl, following a target_kl schedule when one is given),
@@ -43,35 +44,32 @@ are pure functions of the step, so "4 steps" and "2 steps, resume, 2 steps" are 
 """
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from nanokl import dist
+from nanokl import dist, shard
 from nanokl.advantages import ESTIMATORS
 from nanokl.batching import Batching
-from nanokl.harness import ref_check, remedies, summary, variants
+from nanokl.harness import ref_check, variants
 from nanokl.harness.checkpoint import latest_checkpoint, verify_checkpoint
 from nanokl.harness.config_build import config_to_dict
 from nanokl.harness.config_io import UserError
 from nanokl.harness.config_load import save_config
 from nanokl.harness.config_notes import startup_notes
 from nanokl.harness.data import check_loaded, drop_overlong, steps_per_epoch, without
-from nanokl.harness.generations import dump_rollout, gather, pick_val_generations
+from nanokl.harness.after_step import validation
 from nanokl.harness.faults import Preemption, catch_preemption, inject
 from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.logged import read_logged
-from nanokl.harness.metrics import timer, verl_tail
 from nanokl.harness.monitor import CHECKS, KLMonitor, warmup_steps
 from nanokl.harness.optim import make_optimizer
 from nanokl.harness.profile import StepProfiler
 from nanokl.harness.reward_fn import check_sources
-from nanokl.harness.scoring import validate
-from nanokl.harness.run_state import (TrainingStopped, _restore, release_lock, resume, resume_check, run_record,
-                                      save, set_aside, take_lock)
+from nanokl.harness.run_state import (TrainingStopped, release_lock, resume, resume_check, run_record, save, set_aside,
+                                      take_lock)
 from nanokl.harness.stages import load_rm, train_missing_stages
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
@@ -81,10 +79,9 @@ from nanokl.fused import fuse_for_rollout
 from nanokl.graphs import KVBudgetError, make_engine
 from nanokl.model import compile_layers
 from nanokl.tasks import get_task
-from nanokl.workers import rollout_log_probs_are_old
+from nanokl.forwards import rollout_log_probs_are_old
 
 GMU = "actor_rollout_ref.rollout.gpu_memory_utilization"
-MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before the run stops
 
 
 @dataclass
@@ -113,11 +110,12 @@ class Run:
     tracker: Tracker | None
     specs: dict  # how each forward / update cuts its batch into micro-batches (batching.py)
     total_steps: int
-    bypass: bool  # pi_old's log-probs are the rollout's own (workers.rollout_log_probs_are_old)
+    bypass: bool  # pi_old's log-probs are the rollout's own (forwards.rollout_log_probs_are_old)
     # the parts of ppo_step that really vary, chosen for this config (harness/variants.py)
     respond: object
     rollout_correction: object
     read_kl: object
+    baselines: object
     start: int = 0
     nan_streak: int = 0
     healthy_step: int | None = None  # the last checkpoint a rollback may return to
@@ -126,7 +124,6 @@ class Run:
     ended: str | None = None  # how the run stopped early, for its summary (None: it ran to its last step)
     record: dict | None = None  # what the run was started with, kept in every checkpoint (run_state.run_record)
     profiler: StepProfiler | None = None  # set by steps(): global_profiler.steps traced (harness/profile.py)
-    step_tokens: dict | None = None  # the step's token counts, for timing_per_token_ms/* (metrics.verl_tail)
 
 
 def batching_specs(cfg) -> dict:
@@ -238,7 +235,7 @@ def _setup(cfg) -> Run:
     over = arr.model.override_config  # verl's model.override_config: entries replacing config.json's
     actor = from_pretrained(actor_path, device=device, overrides=over).train()
     actor.model.gradient_checkpointing = arr.model.enable_gradient_checkpointing
-    ref = from_pretrained(model_path, device=device, overrides=over)  # fp32, run under the actor's autocast (workers.autocast)
+    ref = from_pretrained(model_path, device=device, overrides=over)  # fp32, run under the actor's autocast (forwards.autocast)
     ref.eval().requires_grad_(False)
     critic = None
     if needs_critic:
@@ -247,9 +244,9 @@ def _setup(cfg) -> Run:
         critic.model.gradient_checkpointing = c.model.enable_gradient_checkpointing  # read nowhere before
     # Rollout reads the policy's whole weights. A plain CPU actor (or a DDP replica) is used as is;
     # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
-    # in place after every update, so that its captured CUDA graphs stay valid (nanokl/dist.py).
+    # in place after every update, so that its captured CUDA graphs stay valid (nanokl/shard.py).
     rollout_model = actor
-    rollout_copy = device.type == "cuda" or dist.sharded(a.strategy)  # fsdp2 under torchrun, even at W=1
+    rollout_copy = device.type == "cuda" or shard.sharded(a.strategy)  # fsdp2 under torchrun, even at W=1
     if rollout_copy:
         dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
         rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype,
@@ -259,13 +256,13 @@ def _setup(cfg) -> Run:
                           (critic, a.use_torch_compile)):
             if model is not None and on:
                 compile_layers(model)
-    # fsdp_config's CPU offload, each (the shards' CPUOffloadPolicy, the optimizer state alone): nanokl/dist.py
-    a_off = dist.offload_setting("actor_rollout_ref.actor", a.strategy, device, a.fsdp_config)
-    c_off = dist.offload_setting("critic.model", c.strategy, device, c.model.fsdp_config) if needs_critic else (0, 0)
-    ref_off = dist.offload_setting("actor_rollout_ref.ref", arr.ref.strategy, device, arr.ref.fsdp_config, False)
-    actor = dist.wrap(actor, a.strategy, device, offload=a_off[0])
-    ref = dist.wrap(ref, arr.ref.strategy, device, trainable=False, offload=ref_off[0])
-    critic = dist.wrap(critic, c.strategy, device, offload=c_off[0]) if critic is not None else None
+    # fsdp_config's CPU offload, each (the shards' CPUOffloadPolicy, the optimizer state alone): nanokl/shard.py
+    a_off = shard.offload_setting("actor_rollout_ref.actor", a.strategy, device, a.fsdp_config)
+    c_off = shard.offload_setting("critic.model", c.strategy, device, c.model.fsdp_config) if needs_critic else (0, 0)
+    ref_off = shard.offload_setting("actor_rollout_ref.ref", arr.ref.strategy, device, arr.ref.fsdp_config, False)
+    actor = shard.wrap(actor, a.strategy, device, offload=a_off[0])
+    ref = shard.wrap(ref, arr.ref.strategy, device, trainable=False, offload=ref_off[0])
+    critic = shard.wrap(critic, c.strategy, device, offload=c_off[0]) if critic is not None else None
 
     total_steps = t.total_training_steps or t.total_epochs * steps_per_epoch(len(train), d.gen_batch_size)
     actor_opt, actor_sched = make_optimizer(actor, a.optim, total_steps, a_off[1])
@@ -297,7 +294,7 @@ def _setup(cfg) -> Run:
     if ro.use_cuda_graph:  # size the rollout's CUDA-graph engine once, for every call of the run (a no-op on CPU)
         val_rows = min(d.val_batch_size, len(val[rank::W])) * ro.val_kwargs.n if val else 0
         try:  # its cache within gpu_memory_utilization of the GPU (nanokl/graphs.py: refused, not capped)
-            make_engine(dist.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),
+            make_engine(shard.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),
                         d.max_prompt_length + ro.response_length, ro.gpu_memory_utilization, GMU)
         except KVBudgetError as e:
             raise UserError(str(e)) from None
@@ -312,18 +309,6 @@ def _setup(cfg) -> Run:
     return run
 
 
-def finish(run):
-    """The end of a run, however it ended (main's last line; a NaN stop calls it before raising): close
-    the tracker, then rank 0 writes summary.json beside metrics.jsonl and prints the summary
-    (nanokl/harness/summary.py)."""
-    if run.profiler is not None:
-        run.profiler.close()  # a trace still open: the run stopped inside a profiled step
-    run.tracker.close()
-    if run.rank == 0:
-        summary.report(run.run_dir, config_to_dict(run.cfg), run.ended or "finished")
-        release_lock(run.run_dir)  # the folder is free for the next run
-
-
 def _max_samples(rows, n, shuffle=False, seed=0):
     """verl's data.train_max_samples / val_max_samples: n of the rows (-1: all); a seeded random
     choice when the data are shuffled, else the first n, as verl's RLHFDataset picks them."""
@@ -333,21 +318,6 @@ def _max_samples(rows, n, shuffle=False, seed=0):
         return rows[:n]
     picked = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:n]
     return [rows[i] for i in sorted(picked.tolist())]
-
-
-def validation(run, step) -> dict:
-    """validate() at global step `step`, keeping what it wrote as the config asks (harness/generations.py):
-    trainer.log_val_generations samples to the tracker, all of them to trainer.validation_data_dir."""
-    t = run.cfg.trainer
-    samples = [] if t.log_val_generations > 0 or t.validation_data_dir else None
-    metrics = validate(run.rollout_model, run.tok, run.val, run.cfg, run.device, run.ref, samples=samples)
-    if samples is not None:  # every rank takes part in the gathers; rank 0 writes
-        if t.log_val_generations > 0:
-            run.tracker.log_generations(pick_val_generations(gather(samples), t.log_val_generations), step)
-        if t.validation_data_dir:
-            inputs, outputs, scores, truths = zip(*samples) if samples else ((),) * 4
-            dump_rollout(t.validation_data_dir, step, inputs, outputs, truths, scores)
-    return metrics
 
 
 def steps(run):
@@ -363,85 +333,3 @@ def steps(run):
             with run.profiler.step(step + 1):  # verl's global step: traced when global_profiler.steps names it
                 yield step
 
-
-def _say(run, message):
-    if run.rank == 0:
-        tqdm.write(message, file=sys.stderr)
-
-
-def _log_row(run, metrics, step, timed=None):
-    """The step's metrics row, to be logged before its checkpoint commits (save's before_commit): a crash
-    between the two then leaves a row without its checkpoint, which the resume drops and redoes, never a
-    checkpoint without its row. `timed`: the row also holds timing_s/<timed>, the save's time until then."""
-    if timed and run.device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-
-    def log():
-        if timed:
-            if run.device.type == "cuda":
-                torch.cuda.synchronize()
-            metrics[f"timing_s/{timed}"] = time.perf_counter() - t0
-        run.tracker.log(verl_tail(metrics, run.step_tokens), step=step)
-    return log
-
-
-def end_step(run, step, metrics) -> bool:
-    """After step `step`: validation, the NaN guard, the KL monitor, the reference check, checkpoint and
-    log (the row first, then the checkpoint commits). False ends the run."""
-    t = run.cfg.trainer
-    done = step + 1
-    last = done == run.total_steps
-    if run.profiler is not None:
-        run.profiler.saw(metrics)  # its summary reads the step's timing_s/* once the step is over
-    if run.val and t.test_freq > 0 and (done % t.test_freq == 0 or last):
-        with timer(metrics, "testing", run.device):
-            metrics.update(validation(run, done))
-    if run.kl_ctrl.kind == "adaptive" and run.cfg.algorithm.use_kl_in_reward:
-        metrics["actor/target_kl"] = run.kl_ctrl.target  # moves with a schedule or an adjust
-    run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
-    if run.nan_streak >= MAX_NAN_STEPS:
-        path = save(run, done, healthy=False, before_commit=_log_row(run, metrics, done))
-        run.ended = f"NaN stop at step {done}"
-        finish(run)
-        raise TrainingStopped(f"stopped at step {done}: {MAX_NAN_STEPS} steps in a row had a non-finite loss "
-                              f"or gradient (updates skipped); checkpoint saved to {path}")
-    actions, events = set(), []
-    if run.monitor:  # KL health (nanokl/harness/monitor.py): warn, adjust a knob, stop cleanly, or roll back
-        events = run.monitor.check(done, metrics, remedies.knobs(run))
-        metrics.update(run.monitor.metrics(), **{"monitor/health": run.monitor.health})
-        actions = {e.action for e in events}
-        for e in events:
-            _say(run, e.message)
-        remedies.apply(run, events)  # the adjusted knobs act from the next step on
-        if "rollback" in actions and "stop" not in actions:
-            back = remedies.rollback(run, _restore)
-            if back is None:
-                actions.add("stop")
-                _say(run, "kl_monitor: no healthy checkpoint to roll back to; stopping")
-            else:
-                _say(run, f"kl_monitor: rolled back to {back} ({run.cfg.trainer.kl_monitor.rollback_recipe}); beta is "
-                          f"now {run.kl_ctrl.value:.4g} ({run.kl_ctrl.kind})")
-    changed = ref_check.recheck(run, done, metrics)  # every ref_check_freq steps: is the reference unchanged?
-    if "stop" in actions or changed:
-        path = save(run, done, healthy=False, before_commit=_log_row(run, metrics, done))
-        which = ", ".join(e.check for e in events if e.action == "stop") or "rollback impossible"
-        run.ended = f"reference check stop at step {done}" if changed else f"kl_monitor stop at step {done} ({which})"
-        if run.rank == 0 and "stop" in actions:
-            print(f"kl_monitor stopped the run at step {done} (check: {which}); checkpoint saved to {path}",
-                  file=sys.stderr)
-        if changed:
-            _say(run, f"{changed}; checkpoint saved to {path}")
-        return False
-    preempted = run.preempt is not None and run.preempt.requested()  # the same answer on every rank
-    if (t.save_freq > 0 and (done % t.save_freq == 0 or last)) or preempted:  # save_freq -1: none, as verl
-        path = save(run, done, healthy=run.monitor is None or run.monitor.rollback_safe,
-                    before_commit=_log_row(run, metrics, done, timed="save_checkpoint"))
-    else:
-        run.tracker.log(verl_tail(metrics, run.step_tokens), step=done)
-    if preempted and not last:
-        run.ended = f"preempted after step {done}"
-        _say(run, f"preempted ({run.preempt.signal or 'another rank was signalled'}): step {done} finished and "
-                  f"checkpoint saved to {path}; exiting. The same command resumes from it")
-        return False
-    return True

@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from nanokl import dist
+from nanokl import dist, shard
 from nanokl.harness import remedies
 from nanokl.harness.checkpoint import (LEGACY_ROOT, POINTER, CheckpointWriteError, _sha256, load_state, read_record,
                                        rng_state, save_checkpoint, set_rng_state)
@@ -63,16 +63,16 @@ def _models(run):
 def _restore(run, path, weights=False):
     """Optimizer states (+ weights, for a rollback) from checkpoint `path`; returns (the LR
     schedulers' states by name, the trainer state). Only rank 0 reads optim.pt and the weights;
-    the other ranks receive them tensor by tensor (dist.load_optimizer_state, load_full_state_dict)."""
+    the other ranks receive them tensor by tensor (shard.load_optimizer_state, load_full_state_dict)."""
     optim_state, state = load_state(path, read_optim=run.rank == 0)
     optim_state = optim_state or {}
     for name, model, opt, _ in _models(run):
         if weights:
             load = from_pretrained if name == "actor" else load_value_model
-            dist.load_full_state_dict(model, load(path / name).state_dict() if run.rank == 0 else {})
-        dist.load_optimizer_state(model, opt, optim_state.get(name, {}))
+            shard.load_full_state_dict(model, load(path / name).state_dict() if run.rank == 0 else {})
+        shard.load_optimizer_state(model, opt, optim_state.get(name, {}))
     if weights and run.rollout_copy:
-        dist.sync_rollout_weights(run.rollout_model, run.actor)
+        shard.sync_rollout_weights(run.rollout_model, run.actor)
     scheds = dist.broadcast_object({k: v for k, v in optim_state.items() if k.endswith("_sched")})
     return scheds, state
 
@@ -101,10 +101,10 @@ def save(run, step, healthy=True, before_commit=None) -> Path:
     """Every rank gathers (a collective), rank 0 writes full HF weights + name-keyed optimizer state and
     the run's record; `before_commit` (the step's metrics row) runs before the checkpoint commits."""
     run.healthy_step = step if healthy else run.healthy_step
-    weights = {name: (dist.unwrap(m), dist.full_state_dict(m)) for name, m, _, _ in _models(run)}
+    weights = {name: (shard.unwrap(m), shard.full_state_dict(m)) for name, m, _, _ in _models(run)}
     optim = {}
     for name, model, opt, sched in _models(run):
-        optim.update({name: dist.optimizer_state(model, opt), f"{name}_sched": sched.state_dict()})
+        optim.update({name: shard.optimizer_state(model, opt), f"{name}_sched": sched.state_dict()})
     state = {"kl_ctrl": run.kl_ctrl.state_dict(), "kl_loss_ctrl": run.kl_loss_ctrl.state_dict(), "rng": rng_state(),
              "nan_streak": run.nan_streak, "healthy_step": run.healthy_step,
              **({"monitor": run.monitor.state_dict()} if run.monitor else {})}

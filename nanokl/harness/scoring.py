@@ -47,12 +47,12 @@ import numbers
 
 import torch
 
-from nanokl import dist
+from nanokl import dist, shard
 from nanokl.kl import kl_penalty
 from nanokl.kl_probe import probe_stats
 from nanokl.masked import masked_mean
 from nanokl.rewards import overlong_penalty, token_level_scores
-from nanokl.workers import compute_log_probs
+from nanokl.forwards import compute_log_probs
 from nanokl.harness import reward_fn
 from nanokl.harness.data import encode_prompts
 from nanokl.harness.generations import dump_rollout, gather, prompt_texts
@@ -70,7 +70,7 @@ def sample(model, tok, examples, cfg, device, *, n=1, generator=None, **sampling
     ids, mask = encode_prompts(examples, tok, cfg.data, device)
     settings = dict(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p, do_sample=ro.do_sample,
                     use_cuda_graph=ro.use_cuda_graph) | sampling
-    return generate(dist.unwrap(model), ids, mask, ro.response_length, eos_token_id=tok.eos_token_ids,
+    return generate(shard.unwrap(model), ids, mask, ro.response_length, eos_token_id=tok.eos_token_ids,
                     pad_token_id=tok.pad_token_id, generator=generator, n=n, **settings)
 
 
@@ -150,7 +150,7 @@ def validate(model, tok, val, cfg, device, ref=None, samples=None):
     if totals[-1, 1] > 0:
         metrics["val-aux/response_length/mean"] = (totals[-1, 0] / totals[-1, 1]).item()
     if ref is not None and cfg.trainer.val_kl_prompts:
-        metrics.update(on_policy_kl(dist.unwrap(model), ref, tok, val, cfg, device))
+        metrics.update(on_policy_kl(shard.unwrap(model), ref, tok, val, cfg, device))
     return metrics
 
 

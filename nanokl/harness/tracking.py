@@ -30,7 +30,7 @@ Before it appends, the tracker drops those rows (`drop_rows_after`: a new file r
 old, so a crash while it does so leaves one or the other), and metrics.jsonl holds each step once;
 val_generations.jsonl likewise. A run that starts over instead finds an earlier run's files already
 set aside (metrics.1.jsonl, ...: harness/run_state.set_aside), and a step's row is logged before its
-checkpoint commits (harness/run.py), so no checkpoint is without its row.
+checkpoint commits (harness/after_step.py), so no checkpoint is without its row.
 """
 
 import json

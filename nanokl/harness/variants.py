@@ -1,8 +1,8 @@
 """The parts of a PPO step that really vary between configs, each chosen once in setup.
 
 train_ppo.py's `ppo_step` is one path, with a plain named `if` where a config turns a step on or
-off (a critic, the KL in the reward, ReMax's greedy baseline). Three steps have real alternatives,
-and `choose(cfg)` picks one function for each; the step calls `run.<part>`:
+off (a critic, the KL in the reward, critic warm-up). Four steps have real alternatives, and
+`choose(cfg)` picks one function for each; the step calls `run.<part>`:
 
     part                choices                                              lesson
     respond             sample_responses (online) | logged_responses          rollout.py / harness/logged.py
@@ -15,10 +15,12 @@ and `choose(cfg)` picks one function for each; the step calls `run.<part>`:
     read_kl             logged_kl (the step's own KL; importance-weighted on   offline.py
                         responses another policy sampled) | probed_kl (plus     kl_probe.py
                         the smoothed gap to an on-policy probe: algorithm.kl_probe)
+    baselines           no_baselines | greedy_baselines (remax: the score of   advantages.py
+                        each prompt's greedy response)
 
 Beside them, what the step calls for its optional work: `exact_kl` (kl_penalty `full`: the KL over
-the vocabulary from both models' logits), `reward_kl_metrics` (what the KL monitor reads of the
-reward's KL) and `greedy_baselines` (ReMax). A part that does work times itself as
+the vocabulary from both models' logits) and `reward_kl_metrics` (what the KL monitor reads of the
+reward's KL). A part that does work times itself as
 `timing_s/<name>` in the step's metrics.
 """
 
@@ -29,7 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanokl import dist, workers
+from nanokl import dist, forwards, shard
+from nanokl.advantages import ESTIMATORS
 from nanokl.harness.data import encode_prompts, rank_rows, step_seed
 from nanokl.harness.logged import draw_responses, logged_batch
 from nanokl.harness.metrics import global_var, timer
@@ -168,7 +171,7 @@ def exact_kl(run, batch, metrics):
     """The exact KL over the vocabulary (kl_penalty `full`) from both models' logits, [N, R]; the k1 and
     k3 estimates on the same tokens logged beside it."""
     mask = batch["response_mask"]
-    exact = workers.compute_full_kl(run.actor, run.ref, batch, run.cfg.actor_rollout_ref.rollout.temperature,
+    exact = forwards.compute_full_kl(run.actor, run.ref, batch, run.cfg.actor_rollout_ref.rollout.temperature,
                                     spec=run.specs["old"])
     for k in ("k1", "k3"):
         metrics[f"actor/reward_kl_{k}"] = dist.global_stats(masked_mean(kl_penalty(
@@ -220,7 +223,7 @@ def probed_kl(run, batch, kl, current, metrics, state):
         with timer(metrics, "kl_probe", run.device):
             ids, mask = encode_prompts([run.train[i] for i in rows], run.tok, d, device=run.device)
             gen = torch.Generator(run.device).manual_seed(step_seed(cfg.trainer.seed, step, run.rank + 104729))
-            sums = dist.all_reduce(probe_sums(run.actor, run.ref, dist.unwrap(run.rollout_model), ids, mask, ro,
+            sums = dist.all_reduce(probe_sums(run.actor, run.ref, shard.unwrap(run.rollout_model), ids, mask, ro,
                                               cfg.algorithm.kl_penalty, run.tok.eos_token_ids, run.tok.pad_token_id,
                                               gen, spec=run.specs["old"]).to(run.device)).cpu()
         probe, se = probe_stats(sums)
@@ -232,7 +235,11 @@ def probed_kl(run, batch, kl, current, metrics, state):
     return read
 
 
-# ReMax: what its estimator compares each response with
+# baselines: what an estimator compares each response with beyond its own group (ReMax)
+
+def no_baselines(run, examples, metrics):
+    return None
+
 
 def greedy_baselines(run, examples, metrics):
     """ReMax's baseline (adv_estimator=remax, advantages.py): each prompt's greedy response (n=1, the
@@ -256,4 +263,6 @@ def choose(cfg) -> dict:
         correction = functools.partial(rejection, weigh=correction)
     respond = sample_kept_groups if alg.filter_groups.enable else sample_responses
     read_kl = functools.partial(probed_kl, state=ProbeState()) if alg.kl_probe.enable else logged_kl
-    return dict(respond=logged_responses if offline else respond, rollout_correction=correction, read_kl=read_kl)
+    baselines = greedy_baselines if ESTIMATORS[alg.adv_estimator].needs_greedy_baseline else no_baselines
+    return dict(respond=logged_responses if offline else respond, rollout_correction=correction, read_kl=read_kl,
+                baselines=baselines)

@@ -58,7 +58,7 @@ Score: 1.0 when equal, else 0.0 (no format score). `answer` gives the normalised
 majority voting (verl votes only on a rule's "pred", which this rule does not return).
 `score_method` does not apply (one rule); "strict" and "flexible" both mean it.
 
-tests/test_math_scorers.py checks the rule on verl's and the MATH repository's test strings and on
+tests/test_math.py checks the rule on verl's and the MATH repository's test strings and on
 hundreds of generated rows against a separate evaluator of simple numeric LaTeX.
 """
 

@@ -45,7 +45,7 @@ maj@k votes on: its calc_maj_val reads the "pred" a rule reports).
 verl's pause_tokens_index (reading the box after a pause token) is not reachable from
 default_compute_score and is not offered.
 
-tests/test_math_scorers.py checks the examples of verl's comments and hand cases of every
+tests/test_math_dapo.py checks the examples of verl's comments and hand cases of every
 substitution and removal.
 """
 

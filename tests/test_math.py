@@ -1,7 +1,8 @@
-"""nanokl/tasks/math.py and math_dapo.py, verl's rule-based math scorers: (1) the test strings of verl and of
+"""nanokl/tasks/math.py, verl's rule-based MATH scorer (math_reward): (1) the test strings of verl and of
 the MATH repository its rule descends from, with their expected verdicts; (2) generated MATH-style rows
 against a separate evaluator of simple numeric LaTeX (fractions.Fraction, no sympy, no code of the rule);
-(3) the data_source routing of verl's default_compute_score, end to end from a verl-format file."""
+(3) the data_source routing of verl's default_compute_score for the MATH sources, end to end from a
+verl-format file. The DAPO rule (nanokl/tasks/math_dapo.py) is tests/test_math_dapo.py."""
 
 import json
 import random
@@ -14,10 +15,9 @@ import pytest
 from nanokl.harness.config_load import load_config
 from nanokl.harness.config_io import UserError
 from nanokl.harness.reward_fn import check_sources, check_truths, scorer
-from nanokl.tasks import SOURCES, by_source, get_task, gsm8k, math_dapo, source_task
+from nanokl.tasks import by_source, get_task, gsm8k, math_dapo, source_task
 from nanokl.tasks import math as math_task
 from nanokl.tasks.math import is_equiv, math_score, normalize
-from nanokl.tasks.math_dapo import dapo_result, normalize_final_answer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"
@@ -28,13 +28,14 @@ TINY = ROOT / "configs" / "arith_tiny.yaml"
 # Read at volcengine/verl b178a3cd56f58b2d502255daba591e92833930a7 (2026-01-29): verl/utils/reward_score/
 # __init__.py, math_reward.py, math_dapo.py. verl's main branch has no unit test of math_reward or math_dapo
 # (tests/ mentions neither), so the strings are: the examples in the two files' comments and docstrings
-# (15 for strip_string / remove_boxed, 6 for normalize_final_answer / remove_boxed); the 4 boxed cases of
+# (15 for strip_string / remove_boxed here; the 6 for normalize_final_answer / remove_boxed are in
+# tests/test_math_dapo.py, remove_boxed's one example checked here in both rules); the 4 boxed cases of
 # tests/utils/reward_score/test_numeric_canonicalization_on_cpu.py, a test of a PR (commit 87d81599) that was
 # never merged, so verl's main answers False where that test wanted True (its "033" == "33" needs a
 # canonicalisation verl does not have); and the 16 cases of the MATH repository's
 # modeling/math_equivalence_test.py (hendrycks/math 5f3bf91d), the tests of the is_equiv that lm-eval-harness
-# and verl copied (every one gives the same verdict under verl's version). 41 strings or pairs in all; the
-# verdicts were also checked by running verl's own files on them.
+# and verl copied (every one gives the same verdict under verl's version). 41 strings or pairs in all, with
+# test_math_dapo.py's; the verdicts were also checked by running verl's own files on them.
 
 STRIP_EXAMPLES = [  # math_reward.strip_string's comments: input -> normalised
     ("\\frac1b", "\\frac{1}{b}"), ("\\frac12", "\\frac{1}{2}"), ("\\frac1{72}", "\\frac{1}{72}"),
@@ -42,10 +43,6 @@ STRIP_EXAMPLES = [  # math_reward.strip_string's comments: input -> normalised
     ("0.5", "\\frac{1}{2}"), ("\\sqrt3", "\\sqrt{3}"), (" .5", "\\frac{1}{2}"), ("{.5}", "{0.5}"),
     (".5", "\\frac{1}{2}"), ("k = 5", "5"), ("q = 5", "5"), ("1/2", "\\frac{1}{2}"), ("10\\text{ units}", "10"),
     ("\\tfrac12", "\\frac{1}{2}"),
-]
-DAPO_NORMALIZE_EXAMPLES = [  # math_dapo.normalize_final_answer's comments
-    ("\\fracab", "\\frac{a}{b}"), ("\\frac{abc}{bef}", "\\frac{abc}{bef}"), ("\\fracabc", "\\frac{a}{b}c"),
-    ("\\sqrta", "\\sqrt{a}"), ("\\sqrtab", "\\sqrt{a}b"),
 ]
 UNMERGED_PR_CASES = [("\\boxed{033}", "33"), ("\\boxed{+033}", "33"), ("\\boxed{-0}", "0"), ("\\boxed{000}", "0")]
 MATH_REPO_CASES = [  # (a, b, is_equiv) from hendrycks/math modeling/math_equivalence_test.py
@@ -62,11 +59,6 @@ MATH_REPO_CASES = [  # (a, b, is_equiv) from hendrycks/math modeling/math_equiva
 @pytest.mark.parametrize("raw, normal", STRIP_EXAMPLES)
 def test_math_normalize_matches_verls_comments(raw, normal):
     assert normalize(raw) == normal
-
-
-@pytest.mark.parametrize("raw, normal", DAPO_NORMALIZE_EXAMPLES)
-def test_dapo_normalize_matches_verls_comments(raw, normal):
-    assert normalize_final_answer(raw) == normal
 
 
 def test_remove_boxed_docstring_example_in_both_rules():
@@ -336,98 +328,19 @@ def test_equated_forms_vote_together():
             assert key == math_task.answer(f"$\\boxed{{{truth}}}$", {"ground_truth": truth}), what
 
 
-# ---------------------------------------------------------------------------------------------
-# DAPO's rule
-# ---------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("text, truth, right, pred", [
-    ("The sum is 204.\nAnswer: 204", "204", True, "204"),
-    ("answer : 204", "204", True, "204"),  # any case, spaces around the colon
-    ("Answer: 12\nwait, redo.\nAnswer: 13", "13", True, "13"),  # the last line wins
-    ("Answer: 12\nwait, redo.\nAnswer: 13", "12", False, "13"),
-    ("Answer: $204$", "204", True, "204"),
-    ("Answer: \\boxed{204}", "204", True, "204"),
-    ("Answer: 1,000", "1000", True, "1000"),
-    ("Answer: 1,000", "1,000", True, "1000"),
-    ("Answer: 204.", "204", False, "204."),  # ".$" is rewritten, a bare final "." is not
-    ("Answer: $204.$", "204", True, "204"),
-    ("Answer: x = 5", "5", True, "5"),
-    ("Answer: 30 degrees", "30", True, "30"),
-    ("Answer: 30^\\circ", "30", True, "30"),
-    ("Answer: \\$5", "5", True, "5"),
-    ("Answer: \\frac12", "\\frac{1}{2}", True, "\\frac{1}{2}"),
-    ("Answer: \\dfrac{1}{2}", "\\frac{1}{2}", False, "\\dfrac{1}{2}"),  # no dfrac rewrite in this rule
-    ("Answer: 5 \\text{ cm}", "5", True, "5"),
-    ("Answer: \\text{(A)}", "(A)", True, "(A)"),
-    ("Answer: 3 and 4", "3,4", False, "3and4"),  # only "\\text{and}" means ","
-    ("Answer: 3 \\text{and} 4", "3,4", True, "34"),  # then digits and commas lose the commas
-    ("Answer: 0.5", "\\frac{1}{2}", False, "0.5"),
-    ("The answer is 204.", "204", False, "[INVALID]"),  # no "Answer:" line
-    ("Answer: 204" + " padding" * 40, "204", False, "[INVALID]"),  # outside the last 300 characters
-    ("Answer: 204" + "\n" + "x" * 280, "204", True, "204"),  # inside them
-])
-def test_dapo_reads_the_last_answer_line(text, truth, right, pred):
-    result = dapo_result(text, truth)
-    assert result == {"score": 1.0 if right else -1.0, "acc": right, "pred": pred}
-    ex = {"ground_truth": truth}
-    assert math_dapo.score(text, ex) == result["score"] == math_dapo.score(text, ex, "flexible")
-    assert math_dapo.result(text, ex) == result == math_dapo.result(text, ex, "flexible")
-    assert math_dapo.answer(text, ex) == pred
-
-
-def test_dapo_substitutions_and_removals_one_by_one():
-    for before, after in math_dapo.SUBSTITUTIONS:
-        if before not in (".$", "\\$"):  # these two need a "$" around them: the hand cases above
-            assert normalize_final_answer(f"7{before}8") == normalize_final_answer(f"7{after}8"), before
-    for expr in math_dapo.REMOVED_EXPRESSIONS:
-        assert normalize_final_answer(f"7{expr}") == "7", expr
-    assert normalize_final_answer("Cuba 5") == "Cub5" and normalize_final_answer("\\overline{12}") == "12"
-    assert normalize_final_answer("$x$ and $y$") == "x"  # only the first $...$ of the line
-    assert normalize_final_answer("\\textbf{7}") == "7" and normalize_final_answer("3\\mbox{ m}") == "3"
-
-
-def test_dapo_strict_box_is_exact_and_reads_the_last_100_characters():
-    ex = {"ground_truth": "204"}
-    assert dapo_result("so \\boxed{204}", "204", strict_box=True) == {"score": 1.0, "acc": True, "pred": "204"}
-    assert math_dapo.score("so \\boxed{204}", ex, "strict_box") == 1.0
-    assert math_dapo.score("so \\boxed{ 204}", ex, "strict_box") == -1.0  # no normalisation at all
-    assert math_dapo.score("Answer: 204", ex, "strict_box") == -1.0
-    assert math_dapo.answer("Answer: 204", ex, "strict_box") is None
-    assert math_dapo.score("\\boxed{204}" + "x" * 95, ex, "strict_box") == -1.0  # the box starts before the last 100
-    assert math_dapo.score("\\boxed{204}" + "x" * 85, ex, "strict_box") == 1.0
-    assert math_dapo.answer("\\boxed{\\frac{1}{2}} \\boxed{7", ex, "strict_box") is None  # the last box never closes
-    with pytest.raises(UserError, match="unknown DAPO score method 'box'"):
-        math_dapo.score("x", ex, "box")
-
-
-def test_truth_problems():
-    assert math_task.truth_problem("\\text{(C)}") is None and math_task.truth_problem(" ") is not None
-    assert math_dapo.truth_problem("204") is None and "normalizes to nothing" in math_dapo.truth_problem("units")
-    for task in (math_task, math_dapo):
-        assert task.demonstrations is None
-        with pytest.raises(UserError, match="data.train_files"):
-            task.examples(None)
-
 
 # ---------------------------------------------------------------------------------------------
 # (3) Routing by data_source, as verl's default_compute_score
 # ---------------------------------------------------------------------------------------------
+# math_dapo and aime* (and the sources verl routes elsewhere or nowhere): tests/test_math_dapo.py.
 
 @pytest.mark.parametrize("source, task", [
     ("lighteval/MATH", math_task), ("DigitalLearningGmbH/MATH-lighteval", math_task),
     ("HuggingFaceH4/MATH-500", math_task),
-    ("math_dapo", math_dapo), ("math", math_dapo), ("math_dapo_reasoning", math_dapo),
-    ("aime24", math_dapo), ("aime_2025", math_dapo), ("aime", math_dapo), ("openai/gsm8k", gsm8k),
+    ("openai/gsm8k", gsm8k),
 ])
 def test_source_task_routes_as_verl(source, task):
     assert source_task(source) is task
-
-
-def test_unrouted_sources_stay_refused():
-    for source in ["AIME24", "numina_olympiads", "MATH", "hiyouga/geometry3k"]:  # verl: other rules, or none
-        with pytest.raises(UserError, match=f"no reward rule for data_source '{source}'.*aime\\*"):
-            source_task(source)
-    assert SOURCES["lighteval/MATH"] is math_task and "aime" not in SOURCES
 
 
 def test_a_verl_row_scores_through_by_source(tmp_path):
