@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanokl.harness.config_io import UserError, run_cli
+from nanokl.harness.config.yaml_io import UserError, run_cli
 from nanokl.harness.data import DataError, Located, _chat_prompt, where_of
 from nanokl.harness.faults import check_writable
 from nanokl.harness.hf_format import from_pretrained, read_config
@@ -85,8 +85,8 @@ def read_prompts(path):
 
 def task_examples(args):
     """The first --num-prompts training examples of --task, and the task."""
-    from nanokl.harness.config import DataConfig
-    from nanokl.harness.config_load import DEFAULT_CONFIG, load_config
+    from nanokl.harness.config.schema import DataConfig
+    from nanokl.harness.config.load import DEFAULT_CONFIG, load_config
     from nanokl.tasks import get_task
     task = get_task(args.task)
     if args.config or args.task == "arith":

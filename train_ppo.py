@@ -33,7 +33,7 @@ an on-policy probe), and `run.baselines` rolls out greedily for ReMax. DPO is an
 the step it finishes (exit 130, harness/faults.py). Everything that is not the step (models, resume,
 checkpoints, validation, the KL monitor's warn/stop/rollback, logging) is the harness:
 nanokl/harness/run.py. Under torchrun each process takes a slice of the prompts and the reductions
-are global (nanokl/dist.py), so the logged numbers do not depend on the number of processes.
+are global (nanokl/engine/dist.py), so the logged numbers do not depend on the number of processes.
 """
 
 import math
@@ -42,11 +42,12 @@ import time
 
 import torch
 
-from nanokl import dist, dpo, forwards, shard, workers
+from nanokl import dpo, forwards, workers
+from nanokl.engine import dist, shard
 from nanokl.advantages import compute_advantage
 from nanokl.harness.checkpoint import rng_state, set_rng_state
-from nanokl.harness.config_io import run_cli
-from nanokl.harness.config_load import parse_cli
+from nanokl.harness.config.yaml_io import run_cli
+from nanokl.harness.config.load import parse_cli
 from nanokl.harness.data import rank_rows, step_seed
 from nanokl.harness.faults import INTERRUPTED, check_writable
 from nanokl.harness.hacking import watch_ratio

@@ -41,11 +41,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanokl import model as M  # noqa: E402
+from nanokl.engine import model as M  # noqa: E402
 from nanokl.rollout import DecodeState, decode_step  # noqa: E402
 
 try:
-    from nanokl.fused import fuse_for_rollout  # noqa: E402
+    from nanokl.engine.fused import fuse_for_rollout  # noqa: E402
 except ImportError:  # an older checkout: in model.py, or not at all
     fuse_for_rollout = getattr(M, "fuse_for_rollout", None)
 

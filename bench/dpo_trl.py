@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 import train_ppo  # noqa: E402
 from nanokl import dpo, forwards  # noqa: E402
-from nanokl.batching import Batching  # noqa: E402
-from nanokl.harness.config_load import load_config  # noqa: E402
+from nanokl.engine.batching import Batching  # noqa: E402
+from nanokl.harness.config.load import load_config  # noqa: E402
 from nanokl.harness.data import batch_indices, build_prompts  # noqa: E402
 from nanokl.harness.hf_format import from_pretrained  # noqa: E402
 from nanokl.harness.logged import draw_responses, logged_batch, read_logged  # noqa: E402

@@ -33,7 +33,7 @@ def probe_env(path):
         except ImportError:
             env[mod] = None
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from nanokl import attention as A
+    from nanokl.engine import attention as A
     # the varlen_attn this torch has and whether nanokl calls it (by its signature, not its presence)
     env["varlen_attn_signature"] = A.varlen_signature()
     api = A.varlen_api()

@@ -24,7 +24,7 @@ tokens, so a token budget (`ppo_max_token_len_per_gpu`) bounds it. The bytes a t
 *measured* here, not guessed: one decoder layer of the real widths runs forward on a packed row of
 512 tokens (two documents) under bf16 autocast on the CPU, and `torch.autograd.graph.saved_tensors_hooks`
 adds up every tensor autograd saves for the backward (each storage once), with and without activation
-checkpointing, for the actor's layer and the LM head chunked as nanokl/fused.py runs it (which saves
+checkpointing, for the actor's layer and the LM head chunked as nanokl/engine/fused.py runs it (which saves
 only its input: the chunk's logits are made again in the backward). Per token and layer that is the
 figure; a budget of B tokens then keeps B x layers x it, plus the chunk workspace (a few fp32
 chunk x vocab tensors). The CPU's SDPA keeps the attention inputs and output as FlashAttention does
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanokl import attention as A  # noqa: E402
-from nanokl.fused import chunked_log_probs  # noqa: E402
-from nanokl.model import CausalLM, DecoderLayer, ModelConfig, ValueModel, rope_tables  # noqa: E402
+from nanokl.engine import attention as A  # noqa: E402
+from nanokl.engine.fused import chunked_log_probs  # noqa: E402
+from nanokl.engine.model import CausalLM, DecoderLayer, ModelConfig, ValueModel, rope_tables  # noqa: E402
 
 SHAPES = {  # the published shapes of the two checkpoints
     "Qwen2.5-0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -124,7 +124,7 @@ def main():
     p.add_argument("--escalation", action="store_true", help="the 25x-lr drift under each escalation (table only)")
     args = p.parse_args()
     if args.escalation:
-        from nanokl.harness.config_load import load_config
+        from nanokl.harness.config.load import load_config
         if not args.report:
             for name in [args.only] if args.only else list(ESCALATIONS):
                 subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), *ESCALATE, *ESCALATIONS[name],
@@ -139,7 +139,7 @@ def main():
                    f"trainer.default_local_dir={OUT / name}", "trainer.resume_mode=disable"]
             print(" ".join(cmd[1:]), file=sys.stderr)
             subprocess.run(cmd, check=True, cwd=ROOT)
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     mon = load_config(ROOT / "configs" / "arith_tiny.yaml").trainer.kl_monitor
     print(f"| run | first step above {mon.kl_high} | every later step in the band from | 10-step mean KL "
           f"in the band from | share of later steps in the band | mean KL, steps 76-150 | adjustments | "

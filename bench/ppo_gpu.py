@@ -82,11 +82,12 @@ T0 = time.monotonic()
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_ppo  # noqa: E402
-from nanokl import dist, forwards, shard  # noqa: E402
-from nanokl.attention import record_kernels  # noqa: E402
-from nanokl.graphs import engine_stats  # noqa: E402
+from nanokl import forwards  # noqa: E402
+from nanokl.engine import dist, shard  # noqa: E402
+from nanokl.engine.attention import record_kernels  # noqa: E402
+from nanokl.engine.graphs import engine_stats  # noqa: E402
 from nanokl.harness.hf_format import save_pretrained  # noqa: E402
-from nanokl.model import CausalLM, ModelConfig, init_weights  # noqa: E402
+from nanokl.engine.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from nanokl.harness.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
 
 SHAPES = {

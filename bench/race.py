@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train_ppo  # noqa: E402
-from nanokl.harness.config_load import load_config  # noqa: E402
+from nanokl.harness.config.load import load_config  # noqa: E402
 from nanokl.harness.hf_format import from_pretrained  # noqa: E402
 from nanokl.harness.run import setup  # noqa: E402
 from nanokl.harness.data import build_prompts  # noqa: E402

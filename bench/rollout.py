@@ -17,7 +17,7 @@ measurement in a fresh process so that no allocator cache hides memory).
 
 What nanokl runs is what PPO training samples with: the rollout copy of the policy as
 nanokl/harness/run.py makes it, `fuse_for_rollout(from_pretrained(path, dtype=...))` (q|k|v and
-gate|up fused, residual adds in the GEMMs, nanokl/fused.py), in bf16 on CUDA, in fp32 on the CPU
+gate|up fused, residual adds in the GEMMs, nanokl/engine/fused.py), in bf16 on CUDA, in fp32 on the CPU
 (where training makes a rollout copy under fsdp2), its graph engine sized once on CUDA.
 `--plain` runs the model as loaded instead (unfused; what the 2026-12-02 CPU table measured).
 
@@ -54,10 +54,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanokl.harness import hf_format as H  # noqa: E402
-from nanokl import model as M  # noqa: E402
+from nanokl.engine import model as M  # noqa: E402
 from nanokl import rollout  # noqa: E402
-from nanokl.fused import fuse_for_rollout  # noqa: E402
-from nanokl.graphs import make_engine  # noqa: E402
+from nanokl.engine.fused import fuse_for_rollout  # noqa: E402
+from nanokl.engine.graphs import make_engine  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
 
 SHAPES = {  # Qwen2-shaped (GQA, qkv bias, tied embeddings); parameter counts printed in the table

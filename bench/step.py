@@ -58,11 +58,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train_ppo  # noqa: E402
-from nanokl.harness.config_load import load_config  # noqa: E402
+from nanokl.harness.config.load import load_config  # noqa: E402
 from nanokl.harness.hf_format import save_pretrained  # noqa: E402
 from nanokl.harness.run import setup  # noqa: E402
 from nanokl.harness.tokenizer import train_tokenizer  # noqa: E402
-from nanokl.model import CausalLM, ModelConfig, init_weights  # noqa: E402
+from nanokl.engine.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from nanokl.tasks import TASKS  # noqa: E402
 
 SHAPES = {  # the 3.0M and 23.6M count the parameters without the embedding

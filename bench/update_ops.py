@@ -23,7 +23,7 @@ that run never applied critic.model.enable_gradient_checkpointing), and `config`
 configs/gsm8k_qwen2.5_0.5b.yaml (`nanokl.harness.run.batching_specs`: token budgets, the LM head
 chunked) with checkpointing as its enable_gradient_checkpointing keys say.
 
-How. The models (`nanokl.model.CausalLM` x2, `ValueModel`), their AdamW states and the batch live on
+How. The models (`nanokl.engine.model.CausalLM` x2, `ValueModel`), their AdamW states and the batch live on
 the meta device: shapes and dtypes without data, so the full 0.5B shape costs nothing. A
 TorchDispatchMode sees every aten op below autograd (backward, checkpoint recomputation and optimizer
 included) and counts, per phase:
@@ -68,7 +68,7 @@ What the meta device does not show (read the counts with these in mind):
     bf16 autocast adds casts (of each matmul's input and weight: a few ops per layer per micro-batch,
     in every setting alike) and halves activations; the LM head's logits are fp32 on both (the trainer
     upcasts them), so the largest tensor, a [rows, vocab] fp32 block of logits, is the same.
-  - kernels: packed attention is counted as CUDA runs it (`nanokl.attention.packed_kernel` answers
+  - kernels: packed attention is counted as CUDA runs it (`nanokl.engine.attention.packed_kernel` answers
     "varlen": this torch's varlen_attn, one op forward and one backward; the CPU runs one SDPA per
     document); clip_grad_norm_ and AdamW take their for-each / fused paths as on CUDA (the meta device
     is let through torch's device checks); AdamW is fused, as nanokl.harness.optim.make_optimizer builds
@@ -105,9 +105,9 @@ from torch.utils._pytree import tree_map
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from nanokl import attention as A  # noqa: E402
-from nanokl import batching  # noqa: E402
-from nanokl import model as M  # noqa: E402
+from nanokl.engine import attention as A  # noqa: E402
+from nanokl.engine import batching  # noqa: E402
+from nanokl.engine import model as M  # noqa: E402
 from nanokl import workers  # noqa: E402
 try:
     from nanokl import forwards  # noqa: E402
@@ -149,7 +149,7 @@ def settings(name, config=CONFIG):
     """{spec name: Batching fields, "checkpointing": {"actor": bool, "critic": bool}} of a setting."""
     if name == "first":
         return copy.deepcopy(FIRST)
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.harness.run import batching_specs
     cfg = load_config(str(config), [])
     out = {k: dataclasses.asdict(v) for k, v in batching_specs(cfg).items()}
@@ -599,7 +599,7 @@ def ratio_watch() -> dict:
 def count_step(setting, shape="0.5b", layers=1, config=CONFIG, adamw_kind="fused"):
     """{phase: stats} of one step under `setting` (see `settings`), plus "_dropped": spec fields this
     checkout does not know. `config` gives the losses' hyper-parameters (actor, critic)."""
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     cfg = load_config(str(config), [])
     a, c = cfg.actor_rollout_ref.actor, cfg.critic
     mcfg = M.ModelConfig(**dict(SHAPES[shape], num_hidden_layers=layers))

@@ -37,7 +37,7 @@ return without it, as the episode ended there). Without rejection the two masks 
 Whitening across ranks. GAE whitens its advantages over the batch. In a distributed run each rank
 holds a shard, and whitening with local statistics would make training depend on the number of
 GPUs, so GAE and both REINFORCE++ variants whiten with moments (Σx, Σx², n) summed over ranks
-(`whiten_stats`, nanokl/masked.py explains the moments; nanokl/dist.py sums them).
+(`whiten_stats`, nanokl/masked.py explains the moments; nanokl/engine/dist.py sums them).
 
 GAE (Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized Advantage
 Estimation", arXiv:1506.02438)

@@ -95,7 +95,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, los
 def update_policy(actor, opt, batch, a, temperature, *, mini_size, spec, generator=None, beta):
     """DPO's update on logged pairs: `a.ppo_epochs` passes in mini-batches of `mini_size` responses,
     the loss `a.loss_mode` ("dpo": sigmoid, "ipo"), rows 2k and 2k+1 the (chosen, rejected) responses
-    of one prompt; a micro-batch holds whole pairs (config_rules). The batch needs ref_log_probs;
+    of one prompt; a micro-batch holds whole pairs (rules). The batch needs ref_log_probs;
     `beta` is the KL coefficient (algorithm.kl_ctrl). Returns lists of per-mini-batch metrics."""
     loss_type = {"dpo": "sigmoid", "ipo": "ipo"}[a.loss_mode]
 

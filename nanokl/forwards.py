@@ -26,7 +26,7 @@ batch only: it uses the detached current log-probs as the old ones.
 The LM head. A micro-batch of n tokens makes [n, V] logits, fp32 once divided by the temperature:
 for V = 151,936 that is 0.6 MB a token, and the loss path makes several more of that size. With
 `spec.chunk` (verl's `use_fused_kernels` / `entropy_from_logits_with_chunking`) the log-probs and
-the entropy come from the last hidden states chunk by chunk instead (nanokl/fused.py's
+the entropy come from the last hidden states chunk by chunk instead (nanokl/engine/fused.py's
 `chunked_log_probs`, its own backward recomputing each chunk), so no tensor is larger than
 chunk x V fp32 whatever the micro-batch, and the micro-batch can be sized by the activations alone
 (bench/memory.py).
@@ -43,9 +43,9 @@ import contextlib
 
 import torch
 
-from nanokl import dist, shard
-from nanokl.batching import Batching, agreed_micro_batches, host_mask, micro_batch
-from nanokl.fused import chunked_log_probs
+from nanokl.engine import dist, shard
+from nanokl.engine.batching import Batching, agreed_micro_batches, host_mask, micro_batch
+from nanokl.engine.fused import chunked_log_probs
 from nanokl.kl import kl_penalty
 from nanokl.masked import zero_masked
 from nanokl.ppo import entropy_from_logits, logprobs_from_logits
@@ -72,7 +72,7 @@ def rollout_batch(out) -> dict:
 
 
 def _inputs(mb, packed, inputs):
-    """A micro-batch's model inputs: the loops pass the ones they built (nanokl/batching.py); a caller
+    """A micro-batch's model inputs: the loops pass the ones they built (nanokl/engine/batching.py); a caller
     outside them (a test, a benchmark) gets them built here, reading the mask from the device."""
     if inputs is not None:
         return inputs
@@ -91,7 +91,7 @@ def response_logits(model, mb, temperature, packed=False, inputs=None):
 def response_log_probs(model, mb, temperature, spec, inputs=None, with_entropy=False):
     """(log π of each response token [n, R], the entropy at each position [n, R] or None, the logits
     [n, R, V] or None), fp32 at `temperature`. With `spec.chunk` the LM head runs chunk by chunk from the
-    hidden states (nanokl/fused.py): no logits are returned, since none ever existed whole."""
+    hidden states (nanokl/engine/fused.py): no logits are returned, since none ever existed whole."""
     inputs = _inputs(mb, spec.packed, inputs)
     labels = mb["responses"]
     if spec.chunk:
@@ -123,7 +123,7 @@ def rollout_log_probs_are_old(mode, same_numerics, do_sample, temperature) -> bo
     log-probs at the training temperature (a greedy rollout records temperature 1). top-k/top-p do
     not matter: the recorded log-prob is taken before filtering, as training's is (nanokl/rollout.py).
     True takes them whenever they are at the training temperature, even from a bf16 copy: PPO then
-    anchors its ratio on the policy that really sampled (verl's bypass); config_rules refuses True
+    anchors its ratio on the policy that really sampled (verl's bypass); rules refuses True
     where they are not."""
     at_training_temperature = (do_sample and temperature > 0) or temperature == 1
     if mode == "auto":
@@ -133,7 +133,7 @@ def rollout_log_probs_are_old(mode, same_numerics, do_sample, temperature) -> bo
 
 def forward_micro_batches(batch, spec):
     """(micro-batch, its model inputs) of each non-empty micro-batch of a no-grad forward pass, as many
-    as every rank runs (nanokl/batching.py); the mask is read from the device once, here, before the loop."""
+    as every rank runs (nanokl/engine/batching.py); the mask is read from the device once, here, before the loop."""
     host = host_mask(batch)
     for mb, inputs, _ in agreed_micro_batches(batch, None, spec, host, dist.agreed_count, skip_empty=True):
         yield mb, inputs

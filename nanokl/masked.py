@@ -19,7 +19,7 @@ With n = Σ m:
 
 Across ranks, whitening with local statistics would depend on the number of GPUs, so it takes
 moments that add up: S1 = Σ_{m=1} x, S2 = Σ_{m=1} x², n (masked_moments; float64, so S2/n − μ²
-does not cancel when |μ| ≫ σ). nanokl/dist.py all-reduces them, masked_whiten takes them back as
+does not cancel when |μ| ≫ σ). nanokl/engine/dist.py all-reduces them, masked_whiten takes them back as
 `stats`: μ = S1/n, σ² = (S2/n − μ²)·n/(n − 1). It whitens every position; the loss masks.
 
 Mirrors verl's masked_sum, masked_mean and masked_whiten (verl/utils/torch_functional.py; its

@@ -6,7 +6,7 @@ Most of a PPO step's time goes into generating responses: one forward per new to
 nothing to batch across time. The recipe that makes it fast is small (gpt-fast, nano-vllm):
 
 1. Prefill once. The left-padded prompts [B, P] run through the model in one forward that writes
-   every layer's keys/values into a preallocated `KVCache` (nanokl/model.py), slots 0..P-1.
+   every layer's keys/values into a preallocated `KVCache` (nanokl/engine/model.py), slots 0..P-1.
    With `n` samples per prompt the prefill still runs on B rows; the prompt slots of the cache
    rows are then repeated n times, so the prompt is never recomputed.
 2. Decode with fixed shapes. Each step (`decode_step`) feeds one token per row at cache slot P+t,
@@ -37,7 +37,7 @@ emitted an EOS). `response_mask` is 1 up to and including the first EOS; later t
 One entry: `generate`. Every caller samples through it (PPO's rollout, validation, generate.py,
 the SFT / reward-model / DPO helpers, the benchmarks). On the CPU it is the eager loop above. On
 CUDA (`use_cuda_graph`, by default on a device that has graphs) the same prefill, loop and trim run
-on the buffers of the model's graph engine (nanokl/graphs.py, an appendix: launches, not ideas):
+on the buffers of the model's graph engine (nanokl/engine/graphs.py, an appendix: launches, not ideas):
 rollout hands the engine its `DecodeState` class to allocate once and a `decode_step` over those
 buffers to capture per (bucket, slot span, setting); each step is then one replay. The engine draws
 from its own generator, so the caller's state is copied in before the prefill and back after the
@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanokl import graphs
-from nanokl.model import KVCache
+from nanokl.engine import graphs
+from nanokl.engine.model import KVCache
 
 
 @dataclass
@@ -133,7 +133,7 @@ def record(state, token, logp, eos_ids, pad_token_id):
 
 def decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator=None):
     """One token for every row: forward at `state.slot`, sample, record. Fixed shapes throughout
-    (what a CUDA graph can capture, nanokl/graphs.py)."""
+    (what a CUDA graph can capture, nanokl/engine/graphs.py)."""
     logits = model(state.tokens, position_ids=state.positions, cache=cache, cache_positions=state.slot)
     token, logp = sample_tokens(logits[:, -1], **sampling, generator=generator)
     record(state, token, logp, eos_ids, pad_token_id)

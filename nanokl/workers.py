@@ -13,7 +13,7 @@ gradients: the same positions, temperature, LM head chunking and precision as th
 Mini- and micro-batches (verl's names). A mini-batch is what one optimizer step sees
 (`ppo_mini_batch_size` prompts x `rollout.n` responses, over all ranks); it is cut into
 micro-batches of `ppo_micro_batch_size_per_gpu` responses, or under a token budget
-(`use_dynamic_bsz`, nanokl/batching.py), optionally packed without padding
+(`use_dynamic_bsz`, nanokl/engine/batching.py), optionally packed without padding
 (`use_remove_padding`), and their gradients accumulate. Each micro-batch's loss is aggregated with
 the *whole mini-batch's* denominator (its token count for token-mean, its sequence count for the
 seq-mean modes, summed over ranks; nanokl/ppo.py), so the accumulated gradient is exactly the
@@ -24,7 +24,7 @@ stops after three such steps in a row.
 The host never waits inside a micro-batch loop. On a GPU every read of a device value (`.item()`,
 `bool(t)`, `.tolist()`, `nonzero`, a boolean-mask index) stops the host until the GPU has drained
 its queue, and the next kernels are launched only then: the GPU idles for the launch latency of a
-whole micro-batch. So each pass reads the attention mask once (nanokl/batching.py builds every
+whole micro-batch. So each pass reads the attention mask once (nanokl/engine/batching.py builds every
 micro-batch's lengths, packing and attention layout from that copy on the host), and the update
 keeps its finiteness check and its metrics as tensors until one read per mini-batch, where the
 optimizer step has to know whether to apply the gradient (`_step`). tests/test_update_ops.py counts
@@ -36,8 +36,8 @@ from collections import defaultdict
 
 import torch
 
-from nanokl import dist, shard
-from nanokl.batching import Batching, agreed_micro_batches, host_mask, send
+from nanokl.engine import dist, shard
+from nanokl.engine.batching import Batching, agreed_micro_batches, host_mask, send
 from nanokl.forwards import autocast, critic_values, response_log_probs, response_logits
 from nanokl.kl import kl_penalty
 from nanokl.masked import masked_mean
@@ -89,7 +89,7 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
     `micro_loss(mb, inputs, norm)` returns (loss, sums, means): the micro-batch's share of the
     mini-batch loss, aggregated with the *global* mini-batch denominator `norm` (all ranks' tokens or
     sequences), metrics that add up over micro-batches and ranks (the loss terms), and metrics
-    averaged with token weights (fractions); `inputs` are its model inputs (nanokl/batching.py).
+    averaged with token weights (fractions); `inputs` are its model inputs (nanokl/engine/batching.py).
     DDP and FSDP average gradients over the W ranks, so the loss is scaled by W: the applied gradient
     is then exactly the global mini-batch gradient. A non-finite loss or gradient anywhere skips the
     step on every rank alike.
@@ -106,7 +106,7 @@ def ppo_epochs(model, opt, batch, mini_size, spec, epochs, shuffle, grad_clip, m
         norm, tokens = dist.all_reduce(torch.stack([loss_norm(mask_all, mode), mask_all.sum().float()]))  # one collective
         norm, tokens = norm.clamp(min=1), tokens.clamp(min=1)  # no real token (all rejected: rollout_rs): a loss of 0
         finite, sums, means = None, defaultdict(float), defaultdict(float)
-        # as many micro-batches as every rank runs (nanokl/batching.py): the gradient is reduced after the last
+        # as many micro-batches as every rank runs (nanokl/engine/batching.py): the gradient is reduced after the last
         for mb, inputs, last in agreed_micro_batches(batch, idx, spec, host, dist.agreed_count):
             with shard.no_sync(model, skip=not last):
                 loss, s, m = micro_loss(mb, inputs, norm)

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from nanokl.harness.config_io import ConfigError
+from nanokl.harness.config.yaml_io import ConfigError
 
 
 def write(tmp_path, name, text):

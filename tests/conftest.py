@@ -25,7 +25,7 @@ def gsm8k_dir():
 @pytest.fixture(scope="session")
 def sft_dir(tmp_path_factory):
     """A one-layer warm-start policy for the arithmetic task (seconds to train), made once per session."""
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.supervised.sft import train_sft
     root = Path(__file__).resolve().parents[1]
     out = tmp_path_factory.mktemp("sft")

@@ -5,8 +5,8 @@
         [--param-dtypes float32,bfloat16] [--checks]
 
 Every process builds the same tiny models and the same batch of 8 responses from fixed seeds,
-keeps its slice of the rows, and runs the real machinery (nanokl.workers updates, nanokl.shard
-wrapping, nanokl.dist reductions, GAE whitened over all ranks). Rank 0 saves the full parameters after
+keeps its slice of the rows, and runs the real machinery (nanokl.workers updates, nanokl.engine.shard
+wrapping, nanokl.engine.dist reductions, GAE whitened over all ranks). Rank 0 saves the full parameters after
 the update and the metrics, which the test compares across world sizes.
 
 `--param-dtypes bfloat16` computes in bf16 from fp32 masters: FSDP2's MixedPrecisionPolicy under
@@ -14,7 +14,7 @@ torchrun; in the one-process reference, every parameter is read through a cast
 (`torch.nn.utils.parametrize`), an implementation of the same arithmetic that shares no code
 with FSDP2: forward and backward in bf16, each gradient cast to fp32 before it is summed.
 
-`--offloads none,params,optimizer` runs the update once per offload mode (nanokl/shard.py): `params`
+`--offloads none,params,optimizer` runs the update once per offload mode (nanokl/engine/shard.py): `params`
 wraps with FSDP2's CPUOffloadPolicy, `optimizer` keeps only the optimizer state on CPU between
 steps; each result records where the shards and the optimizer state live, whether every FSDP2
 module carries the policy (on a CPU-only box everything is on CPU anyway: the policy is what shows
@@ -48,10 +48,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanokl import forwards  # noqa: E402
 from nanokl import workers as workers  # noqa: E402
-from nanokl import dist  # noqa: E402
-from nanokl import shard  # noqa: E402
-from nanokl import model as M  # noqa: E402
-from nanokl.batching import Batching, token_budget_micro_batches  # noqa: E402
+from nanokl.engine import dist  # noqa: E402
+from nanokl.engine import shard  # noqa: E402
+from nanokl.engine import model as M  # noqa: E402
+from nanokl.engine.batching import Batching, token_budget_micro_batches  # noqa: E402
 from nanokl.advantages import compute_gae_advantage_return  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
 

@@ -1,6 +1,6 @@
 """A CPU stand-in for torch.cuda's graph API, for tests/test_rollout_graphs.py.
 
-`FakeGraphs` is what `nanokl.graphs.graph_api` holds during those tests. It keeps what matters of
+`FakeGraphs` is what `nanokl.engine.graphs.graph_api` holds during those tests. It keeps what matters of
 CUDA graph semantics: capture records the aten ops of the decode step (a TorchDispatchMode) and
 leaves no trace (every buffer it wrote is restored: a real capture runs nothing); replay
 re-executes those ops on the same static tensors, so in-place writes land in the captured buffers,

@@ -43,7 +43,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from nanokl.harness.config_io import UserError  # noqa: E402
+from nanokl.harness.config.yaml_io import UserError  # noqa: E402
 from nanokl.harness.tokenizer import train_tokenizer  # noqa: E402
 from nanokl.tasks.arith import make_arith_task  # noqa: E402
 

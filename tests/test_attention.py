@@ -1,4 +1,4 @@
-"""nanokl.attention: each batch layout against a float64 softmax written out per head, the CUDA
+"""nanokl.engine.attention: each batch layout against a float64 softmax written out per head, the CUDA
 rule (SDPA never gets a mask together with enable_gqa), the memory of the packed path at a
 16,384-token budget, and the kernel record.
 
@@ -33,9 +33,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from nanokl import attention as A
-from nanokl import model as M
-from nanokl.fused import fuse_for_rollout
+from nanokl.engine import attention as A
+from nanokl.engine import model as M
+from nanokl.engine.fused import fuse_for_rollout
 
 
 def reference(q, k, v, visible):

@@ -25,9 +25,9 @@ import torch
 
 import generate
 import train_ppo
-from nanokl.harness.config import Config
-from nanokl.harness.config_io import ConfigError, run_cli
-from nanokl.harness.config_load import load_config, parse_cli
+from nanokl.harness.config.schema import Config
+from nanokl.harness.config.yaml_io import ConfigError, run_cli
+from nanokl.harness.config.load import load_config, parse_cli
 from nanokl.harness.tokenizer import train_tokenizer
 from nanokl.tasks import arith, gsm8k
 from test_reward_fn import rollout
@@ -253,7 +253,7 @@ def test_inf_in_a_file_and_in_a_list_of_floats_is_refused_naming_the_line(tmp_pa
 
 
 def test_validate_refuses_a_non_finite_float_set_in_code():
-    from nanokl.harness.config_rules import validate
+    from nanokl.harness.config.rules import validate
     cfg = load_config(TINY_CFG)
     cfg.algorithm.kl_ctrl.kl_coef = math.inf
     with pytest.raises(ConfigError, match="algorithm.kl_ctrl.kl_coef must be a finite number"):

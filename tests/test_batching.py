@@ -1,4 +1,4 @@
-"""nanokl.batching: token-budget micro-batches and packed sequences.
+"""nanokl.engine.batching: token-budget micro-batches and packed sequences.
 
 - Every micro-batch fits the budget unless it holds a single over-long sequence (which then runs
   alone, with a warning); every sequence lands in exactly one micro-batch; the loads are balanced
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nanokl import forwards
-from nanokl import model as M
-from nanokl.batching import Batching, agreed_micro_batches, balanced_partition, micro_batch, split, \
+from nanokl.engine import model as M
+from nanokl.engine.batching import Batching, agreed_micro_batches, balanced_partition, micro_batch, split, \
     token_budget_micro_batches
 from nanokl.rollout import generate
 

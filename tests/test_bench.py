@@ -178,7 +178,7 @@ def _ppo_gpu():
 def test_ppo_gpu_setting_flags():
     """bench/ppo_gpu.py's flags are config overrides that load: each resolves to the batching it names."""
     ppo_gpu = _ppo_gpu()
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.harness.run import batching_specs
 
     def specs(*argv):
@@ -297,7 +297,7 @@ def test_race_test_set_is_held_out():
     """The race's test problems: the validation side of the task's hash (never a training problem),
     none of the validation set's, drawn with another seed; the same every time."""
     race = _race()
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.tasks import arith
     cfg = load_config(ROOT / "configs" / "arith_tiny.yaml")
     train, val = arith.examples(cfg.data, seed=cfg.data.seed)
@@ -314,7 +314,7 @@ def test_race_setting_may_name_its_config():
     """A race setting `config=PATH` starts from that file instead of arith_tiny.yaml (the DAPO arm), the
     race's own keys and the other overrides on top."""
     race = _race()
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     args = SimpleNamespace(out="o", model=None, common=[])
     cfg = race.base_config(args, ["config=configs/dapo_arith.yaml", "trainer.seed=7"])
     want = load_config(ROOT / "configs" / "dapo_arith.yaml")
@@ -336,7 +336,7 @@ def test_race_tiny(sft_dir, tmp_path):
     result = json.loads((tmp_path / "nanokl_default_s42.json").read_text())
     curve, train = result["curve"], result["train"]
     race = _race()
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.harness.hf_format import from_pretrained
     from nanokl.harness.scoring import validate
     from nanokl.harness.tokenizer import load_tokenizer

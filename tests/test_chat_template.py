@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
 from chat_templates import LLAMA3_1, QWEN2_5
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.data import build_prompts, filter_overlong, verl_row_to_example
 from nanokl.harness.tokenizer import apply_template, load_tokenizer, train_tokenizer
 

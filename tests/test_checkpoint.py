@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanokl.harness.checkpoint import MANIFEST, latest_checkpoint, load_state, save_checkpoint, verify_checkpoint
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 

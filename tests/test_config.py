@@ -1,4 +1,4 @@
-"""Tests for nanokl/harness/config.py and config_io.py: defaults, files, overrides, coercions, save and CLI
+"""Tests for nanokl/harness/config/schema.py and config/yaml_io.py: defaults, files, overrides, coercions, save and CLI
 (the errors are in tests/test_config_errors.py).
 
 The references are independent of the loader: verl's defaults typed in from verl's
@@ -17,11 +17,11 @@ import yaml
 from config_helpers import error_of, write
 from nanokl.kl import KL_KINDS
 from nanokl.ppo import LOSS_AGG_MODES
-from nanokl.harness.config import Config
-from nanokl.harness.config_build import config_to_dict
-from nanokl.harness.config_io import run_cli
-from nanokl.harness.config_load import DEFAULT_CONFIG, load_config, parse_cli, save_config
-from nanokl.harness.config_rules import resolve
+from nanokl.harness.config.schema import Config
+from nanokl.harness.config.build import config_to_dict
+from nanokl.harness.config.yaml_io import run_cli
+from nanokl.harness.config.load import DEFAULT_CONFIG, load_config, parse_cli, save_config
+from nanokl.harness.config.rules import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"
@@ -298,10 +298,10 @@ def run_python(code):
 
 
 @pytest.mark.parametrize("code, expected", [
-    ("from nanokl.harness.config_io import run_cli\nfrom nanokl.harness.config_load import parse_cli\n"
+    ("from nanokl.harness.config.yaml_io import run_cli\nfrom nanokl.harness.config.load import parse_cli\n"
      "run_cli(parse_cli, ['algorithm.kl_ctrl.target_kl=-1'])",
      "error: argument 'algorithm.kl_ctrl.target_kl=-1': algorithm.kl_ctrl.target_kl must be > 0, got -1.0"),
-    ("from nanokl.harness.config_io import run_cli, UserError\n"
+    ("from nanokl.harness.config.yaml_io import run_cli, UserError\n"
      "def main():\n    raise UserError('model dir runs/x not found:\\n run sft first')\n"
      "run_cli(main)",
      "error: model dir runs/x not found: run sft first"),

@@ -1,4 +1,4 @@
-"""Config errors (nanokl/harness/config_io.py, config_rules.py): every bad input is one line naming the key.
+"""Config errors (nanokl/harness/config/yaml_io.py, config/rules.py): every bad input is one line naming the key.
 
 Unknown keys name the closest valid ones; wrong types name the key and the type; a bad choice
 lists the valid ones; an impossible value names the key and the bound it breaks; YAML errors point
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from config_helpers import error_of, write
-from nanokl.harness.config import Config
-from nanokl.harness.config_io import ConfigError, UserError
-from nanokl.harness.config_load import load_config
-from nanokl.harness.config_rules import resolve, validate
+from nanokl.harness.config.schema import Config
+from nanokl.harness.config.yaml_io import ConfigError, UserError
+from nanokl.harness.config.load import load_config
+from nanokl.harness.config.rules import resolve, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "arith_tiny.yaml"

@@ -3,7 +3,7 @@ nanokl's knob, prints one note (what nanokl does instead), or is refused in one 
 
 How the tests prove it. verl's PPO quickstart and GRPO example commands (the argument lists of
 docs/start/quickstart.rst and examples/grpo_trainer/run_qwen2-7b.sh, copied below) go through
-`parse_cli` and the world-size checks of setup; each key of config_notes.VERL_NOTES is set to a
+`parse_cli` and the world-size checks of setup; each key of notes.VERL_NOTES is set to a
 value other than its default and must print exactly its own note; each refusal is checked against
 a config that asks for it; the base a command starts from is checked both ways.
 """
@@ -14,11 +14,11 @@ import typing
 import pytest
 from config_helpers import error_of
 
-from nanokl.harness.config import Config
-from nanokl.harness.config_io import ConfigError
-from nanokl.harness.config_load import DEFAULT_CONFIG, load_config, parse_cli
-from nanokl.harness.config_io import get_key
-from nanokl.harness.config_notes import VERL_NOTES, monitor_note, startup_notes
+from nanokl.harness.config.schema import Config
+from nanokl.harness.config.yaml_io import ConfigError
+from nanokl.harness.config.load import DEFAULT_CONFIG, load_config, parse_cli
+from nanokl.harness.config.yaml_io import get_key
+from nanokl.harness.config.notes import VERL_NOTES, monitor_note, startup_notes
 from nanokl.harness.run import _check_world, _max_samples
 
 MODEL, DATA = "/models/Qwen2.5-0.5B-Instruct", "/data/gsm8k"
@@ -130,9 +130,9 @@ def test_each_noted_key_loads_and_prints_its_own_note_once(key):
 
 
 def test_every_verl_only_field_has_a_note_or_a_rule():
-    """config_verl.py's fields (the base classes' own) are each noted, refused, or mapped."""
-    from nanokl.harness import config_verl
-    handled = set(VERL_NOTES) | {k for k, _, _ in config_verl._VERL_REFUSED}
+    """config/verl_keys.py's fields (the base classes' own) are each noted, refused, or mapped."""
+    from nanokl.harness import verl_keys
+    handled = set(VERL_NOTES) | {k for k, _, _ in verl_keys._VERL_REFUSED}
     mapped = {"clip_grad", "ppo_micro_batch_size", "log_prob_micro_batch_size", "forward_micro_batch_size",
               "forward_micro_batch_size_per_gpu", "micro_batch_size", "enable", "optimizer", "num_cycles"}
 
@@ -141,7 +141,7 @@ def test_every_verl_only_field_has_a_note_or_a_rule():
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
                 yield from walk(value, prefix + f.name + ".")
-            elif type(obj).__mro__[1].__module__ == config_verl.__name__ and f.name in {
+            elif type(obj).__mro__[1].__module__ == verl_keys.__name__ and f.name in {
                     g.name for g in dataclasses.fields(type(obj).__mro__[1])}:
                 yield prefix + f.name
     missing = [k for k in walk(Config(), "") if k not in handled and k.rsplit(".", 1)[-1] not in mapped]

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import train_ppo
-from nanokl.harness.config_io import UserError
-from nanokl.harness.config_load import load_config
-from nanokl.harness.config_notes import startup_notes
+from nanokl.harness.config.yaml_io import UserError
+from nanokl.harness.config.load import load_config
+from nanokl.harness.config.notes import startup_notes
 from nanokl.harness.metrics import timing_per_token, verl_data_metrics
 from nanokl.harness.profile import chosen_steps
 from nanokl.harness.tracking import Tracker, console_style, read_metrics, verl_console_line
@@ -146,7 +146,7 @@ def test_profiler_keys_and_notes():
         "note: global_profiler.tool='nsys': nanokl records the chosen steps with torch.profiler (a chrome trace "
         "per step, nanokl/harness/profile.py), not nsys"]
     notes = startup_notes(load_config(None, ["actor_rollout_ref.actor.profiler.enable=true"]))
-    assert [x for x in notes if "profil" in x] == [  # the role's own note (config_notes.VERL_NOTES), once
+    assert [x for x in notes if "profil" in x] == [  # the role's own note (notes.VERL_NOTES), once
         "note: actor_rollout_ref.actor.profiler={'enable': True}: nanokl's roles share one process: "
         "global_profiler.steps (or trainer.profile_steps) traces whole steps, every role in them, with torch.profiler "
         "(none without them, as in verl); of a role's profiler only ranks, all_ranks and tool_config.torch.contents "

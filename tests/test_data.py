@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.data import (_permutation, batch_indices, build_prompts, drop_overlong, filter_overlong,
                                  read_examples, steps_per_epoch, verl_row_to_example)
 from nanokl.harness.tokenizer import train_tokenizer

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nanokl.harness import reward_fn, scoring
-from nanokl.harness.config_load import load_config
+from nanokl.harness.config.load import load_config
 from nanokl.harness.reward_fn import Reward, RewardError, reward_value
 from nanokl.harness.tokenizer import train_tokenizer
 from nanokl.tasks import math_dapo

@@ -172,7 +172,7 @@ def test_offload_keys_by_strategy(monkeypatch, capsys):
     torchrun with fsdp2, param_offload -> the policy (and a note: the optimizer state follows the
     shards), optimizer_offload alone -> the state between steps, both -> the policy alone."""
     from types import SimpleNamespace as NS
-    from nanokl import dist, shard
+    from nanokl.engine import dist, shard
     cpu, cuda, key = torch.device("cpu"), torch.device("cuda"), "actor_rollout_ref.actor"
     both, params = NS(param_offload=True, optimizer_offload=True), NS(param_offload=True, optimizer_offload=False)
     state = NS(param_offload=False, optimizer_offload=True)
@@ -201,7 +201,7 @@ def test_optimizer_offload_moves_the_state_around_each_step(monkeypatch):
     """shard.offload_optimizer: the same steps as without it; before each step the state goes to the
     parameters' device, after it to the CPU (recorded: on a CPU-only box both are the CPU), and a
     loaded state is sent back to the CPU. Adam's 0-dim step count is left where torch keeps it."""
-    from nanokl import shard
+    from nanokl.engine import shard
     moves = []
     real = shard._move_state
     monkeypatch.setattr(shard, "_move_state", lambda opt, home: (moves.append(home), real(opt, home))[1])
@@ -235,7 +235,7 @@ TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data
 
 # ddp over 2 processes; fsdp2 over 1, as the one-GPU check runs it (a process group, sharded, a rollout copy).
 # Both set fsdp_config's offload keys: fsdp2 offloads the actor's and the reference's shards and the
-# critic's optimizer state (nanokl/shard.py), ddp says in one line that it has nothing to offload
+# critic's optimizer state (nanokl/engine/shard.py), ddp says in one line that it has nothing to offload
 OFFLOAD = ["actor_rollout_ref.actor.fsdp_config.param_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true",
            "critic.model.fsdp_config.optimizer_offload=true"]
 

@@ -166,7 +166,7 @@ def test_update_gradient_equals_float64_per_pair_formula(loss_type, fp32_logits,
     #   ℓ' = −β σ(−β h) (DPO, Rafailov et al. eq. 7)  or  2 (h − 1/(2β)) (IPO, Azar et al. eq. 17).
     from types import SimpleNamespace
     from nanokl import dpo
-    from nanokl.batching import Batching
+    from nanokl.engine.batching import Batching
     from nanokl.forwards import compute_log_probs
     from test_workers import Recorder, rollout_batch, tiny
 

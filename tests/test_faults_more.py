@@ -27,7 +27,7 @@ import pytest
 import generate
 import train_ppo
 from nanokl.harness.checkpoint import latest_checkpoint, load_state, verify_checkpoint
-from nanokl.harness.config_io import run_cli
+from nanokl.harness.config.yaml_io import run_cli
 from nanokl.harness.reward_fn import load_custom
 
 ROOT = Path(__file__).resolve().parents[1]

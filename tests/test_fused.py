@@ -1,4 +1,4 @@
-"""nanokl.fused: the rollout copy computes what the model computes, in fewer kernels.
+"""nanokl.engine.fused: the rollout copy computes what the model computes, in fewer kernels.
 
 - A fused copy keeps the model's parameter names and shapes, computes its logits (a left-padded
   prefill and decoding through the cache, <= 1e-5 fp32), and a weight update copied in by name
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanokl import shard
-from nanokl import model as M
-from nanokl.fused import fuse_for_rollout, linear_plus, rope_rotation
+from nanokl.engine import shard
+from nanokl.engine import model as M
+from nanokl.engine.fused import fuse_for_rollout, linear_plus, rope_rotation
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -1,4 +1,4 @@
-"""nanokl.fused.chunked_log_probs: the trainer's log-probs and entropy without the [tokens, V] logits.
+"""nanokl.engine.fused.chunked_log_probs: the trainer's log-probs and entropy without the [tokens, V] logits.
 
 What is proven and how. The reference is today's path written out: F.linear (the LM head), at least
 fp32, over the temperature, then ppo.logprobs_from_logits and ppo.entropy_from_logits.
@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nanokl import ppo
-from nanokl.fused import chunked_log_probs
+from nanokl.engine.fused import chunked_log_probs
 
 
 def plain(hidden, weight, labels, temperature):

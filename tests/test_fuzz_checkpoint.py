@@ -18,10 +18,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from nanokl.harness.checkpoint import (MANIFEST, latest_checkpoint, load_state, rng_state,  # noqa: E402
                                        save_checkpoint, verify_checkpoint)
-from nanokl.harness.config_io import UserError  # noqa: E402
+from nanokl.harness.config.yaml_io import UserError  # noqa: E402
 from nanokl.harness.hf_format import from_pretrained, load_value_model  # noqa: E402
 from nanokl.harness.tokenizer import load_tokenizer  # noqa: E402
-from nanokl.model import CausalLM, ModelConfig, ValueModel, init_weights  # noqa: E402
+from nanokl.engine.model import CausalLM, ModelConfig, ValueModel, init_weights  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # 3. Checkpoint directories: truncations, bit flips, deletions; with and without a manifest

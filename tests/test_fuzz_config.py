@@ -15,10 +15,10 @@ from fuzzing import ROOT, damaged, fuzz, ints, outcome, pick
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from nanokl.harness.config import Config  # noqa: E402
-from nanokl.harness.config_build import all_keys  # noqa: E402
-from nanokl.harness.config_io import UserError  # noqa: E402
-from nanokl.harness.config_load import load_config  # noqa: E402
+from nanokl.harness.config.schema import Config  # noqa: E402
+from nanokl.harness.config.build import all_keys  # noqa: E402
+from nanokl.harness.config.yaml_io import UserError  # noqa: E402
+from nanokl.harness.config.load import load_config  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # 1. The config loader: YAML files, `defaults:` chains, `key=value` overrides

@@ -93,7 +93,7 @@ def test_jsonl_prompts_pass_their_truth_through(sft_dir, tmp_path):
 
 
 def test_rank_of_a_prompts_file_names_its_task(sft_dir, tmp_path):
-    from nanokl.harness.config_io import UserError
+    from nanokl.harness.config.yaml_io import UserError
     src = tmp_path / "p.txt"
     src.write_text("Q: 1+2-1=?\nA:\n")
     with pytest.raises(UserError, match="--rank TASK"):

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from nanokl.harness.config_load import load_config
-from nanokl.harness.config_nanokl import KLMonitorConfig
+from nanokl.harness.config.load import load_config
+from nanokl.harness.config.nanokl_keys import KLMonitorConfig
 from nanokl.harness.hacking import ratio_out_band
 from nanokl.harness.metrics import repetition
 from nanokl.harness.monitor import GRAVITY, KLMonitor, warmup_steps

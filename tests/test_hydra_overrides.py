@@ -12,10 +12,10 @@ import os
 import pytest
 from config_helpers import error_of, write
 
-from nanokl.harness.config import Config
-from nanokl.harness.config_io import run_cli
-from nanokl.harness.config_load import DEFAULT_CONFIG, load_config, parse_cli
-from nanokl.harness.config_notes import startup_notes
+from nanokl.harness.config.schema import Config
+from nanokl.harness.config.yaml_io import run_cli
+from nanokl.harness.config.load import DEFAULT_CONFIG, load_config, parse_cli
+from nanokl.harness.config.notes import startup_notes
 
 A, RK = "actor_rollout_ref.actor.", "reward_model.reward_kwargs."
 VERL = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/m"]  # a verl command: verl's defaults
@@ -148,8 +148,8 @@ def test_tilde_in_every_path_is_the_users_home(monkeypatch, tmp_path):
 
 
 def test_every_path_key_exists():
-    from nanokl.harness.config_io import get_key
-    from nanokl.harness.config_rules import PATH_KEYS
+    from nanokl.harness.config.yaml_io import get_key
+    from nanokl.harness.config.rules import PATH_KEYS
     for key in PATH_KEYS:
         get_key(Config(), key)
 
@@ -239,7 +239,7 @@ def test_override_config_entries_nanokl_would_ignore_are_refused_per_key(entry, 
 def test_attn_implementation_is_noted():
     cfg = load_config(DEFAULT_CONFIG, ["+actor_rollout_ref.model.override_config.attn_implementation=eager"])
     assert ("note: actor_rollout_ref.model.override_config.attn_implementation='eager': nanokl's attention is its "
-            "own (nanokl/attention.py): the setting picks no kernel") in startup_notes(cfg)
+            "own (nanokl/engine/attention.py): the setting picks no kernel") in startup_notes(cfg)
 
 
 # --------------------------------------------------------------------------- the scripts, verbatim

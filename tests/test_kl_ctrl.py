@@ -164,7 +164,7 @@ ARTICLE = ["algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_lo
 
 
 def _loss_run(*overrides):
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.kl_ctrl import make_kl_loss_controller
     cfg = load_config(None, list(overrides))
     return SimpleNamespace(cfg=cfg, kl_loss_ctrl=make_kl_loss_controller(cfg.actor_rollout_ref.actor))
@@ -216,8 +216,8 @@ def test_adaptive_kl_loss_coefficient_closes_the_loop_on_its_target():
 
 
 def test_a_controller_with_nothing_to_steer_warns_once(capsys):
-    from nanokl.harness.config_load import load_config
-    from nanokl.harness.config_notes import startup_notes
+    from nanokl.harness.config.load import load_config
+    from nanokl.harness.config.notes import startup_notes
     lines = startup_notes(load_config(None, ARTICLE))
     assert len(lines) == 1 and lines[0].startswith("warning: algorithm.kl_ctrl.type=adaptive steers beta")
     assert "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive" in lines[0]
@@ -261,7 +261,7 @@ def test_a_run_steers_the_kl_loss_coefficient_and_warns_once(sft_dir, tmp_path, 
 
 
 def load_n(root):
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     return load_config(root / "configs" / "arith_tiny.yaml").actor_rollout_ref.rollout.n
 
 
@@ -314,8 +314,8 @@ def test_hold_state_round_trips_through_a_checkpoint():
 
 
 def test_a_negative_hold_fails_config_validation_naming_the_key():
-    from nanokl.harness.config_io import ConfigError
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.yaml_io import ConfigError
+    from nanokl.harness.config.load import load_config
     with pytest.raises(ConfigError, match=r"algorithm\.kl_ctrl\.hold"):
         load_config(None, ["algorithm.kl_ctrl.hold=-1"])
 

@@ -168,8 +168,8 @@ def test_one_sided_integral_does_not_wind_up_at_start():
                                      ("algorithm.kl_ctrl.integral_limit=0", "algorithm.kl_ctrl.integral_limit"),
                                      ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type")])
 def test_bad_gains_fail_config_validation_naming_the_key(bad, key):
-    from nanokl.harness.config_io import ConfigError
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.yaml_io import ConfigError
+    from nanokl.harness.config.load import load_config
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, ["algorithm.kl_ctrl.type=pi", bad])
     with pytest.raises(ValueError):
@@ -177,8 +177,8 @@ def test_bad_gains_fail_config_validation_naming_the_key(bad, key):
 
 
 def test_config_builds_a_pi_controller():
-    from nanokl.harness.config_load import load_config
-    from nanokl.harness.config_notes import startup_notes
+    from nanokl.harness.config.load import load_config
+    from nanokl.harness.config.notes import startup_notes
     c = load_config(None, ["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.ki=0.5", "algorithm.kl_ctrl.integral_limit=2"])
     ctrl = make_kl_controller(c.algorithm.kl_ctrl)
     assert (ctrl.kind, ctrl.ki, ctrl.integral_limit) == ("adaptive", 0.5, 2.0)

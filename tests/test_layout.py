@@ -24,7 +24,7 @@ README = ROOT / "README.md"
 LESSON = sorted(p.stem for p in (ROOT / "nanokl").glob("*.py") if p.stem != "__init__")
 
 # Optional GPU kernels a lesson module may import lazily, inside the function that runs them and
-# only when installed (nanokl/attention.py: flash-attn's varlen kernel). Never at module level.
+# only when installed (nanokl/engine/attention.py: flash-attn's varlen kernel). Never at module level.
 OPTIONAL_KERNELS = {"flash_attn"}
 ENGINE = {"attention", "model", "graphs", "fused", "batching", "dist", "shard"}  # README's engine appendix
 COURSE_STARTS_BEFORE = 80

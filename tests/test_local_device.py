@@ -1,4 +1,4 @@
-"""nanokl.harness.world.pick_device (the harness's choice of device, nanokl.dist.local_device's plus a
+"""nanokl.harness.world.pick_device (the harness's choice of device, nanokl.engine.dist.local_device's plus a
 diagnosis): trainer.device=auto on a CUDA build of torch that finds no usable GPU runs on the CPU and,
 where the machine has a GPU (a driver loaded, or torch warning about CUDA), says why on stderr, once;
 everywhere else (a CUDA wheel on a machine without a GPU too) it is silent. dist.local_device itself
@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from nanokl import dist as D
+from nanokl.engine import dist as D
 from nanokl.harness import world
 
 TOO_OLD = ("CUDA initialization: The NVIDIA driver on your system is too old (found version 12080). Please "

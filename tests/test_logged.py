@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.logged import draw_responses, logged_batch, read_logged
 from nanokl.harness.tokenizer import load_tokenizer
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nanokl.harness.config_load import load_config
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.load import load_config
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.reward_fn import check_sources, check_truths, scorer
 from nanokl.tasks import by_source, get_task, gsm8k, math_dapo, source_task
 from nanokl.tasks import math as math_task

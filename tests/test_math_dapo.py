@@ -7,7 +7,7 @@ generated rows and the end-to-end routing of a mixed verl-format file are tests/
 
 import pytest
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.tasks import SOURCES, math_dapo, source_task
 from nanokl.tasks import math as math_task
 from nanokl.tasks.math_dapo import dapo_result, normalize_final_answer

@@ -1,4 +1,4 @@
-"""nanokl.model against `transformers` (the independent implementation) and against itself.
+"""nanokl.engine.model against `transformers` (the independent implementation) and against itself.
 
 - Random tiny Qwen2 / Llama models, tied and untied, saved by transformers load into nanokl with
   max |delta logits| <= 1e-4 fp32, and nanokl-saved models load back in transformers likewise.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanokl.harness import hf_format as H
-from nanokl import model as M
+from nanokl.engine import model as M
 from nanokl.harness.hf_format import CheckpointError
 
 transformers = pytest.importorskip("transformers")
@@ -215,7 +215,7 @@ def test_compiled_layers_equal_eager_and_stop_compiling_after_warm_up():
     sys.path.insert(0, str(Path(__file__).parent))
     from test_workers import rollout_batch, tiny
     from nanokl import forwards
-    from nanokl.batching import Batching
+    from nanokl.engine.batching import Batching
     compiles = []
 
     def counting(gm, inputs):

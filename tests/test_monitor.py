@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from nanokl.harness.config_load import load_config
-from nanokl.harness.config_nanokl import KLMonitorConfig
+from nanokl.harness.config.load import load_config
+from nanokl.harness.config.nanokl_keys import KLMonitorConfig
 from nanokl.harness.monitor import CHECKS, Event, KLMonitor
 
 KL, KL_LOSS, KL_VAR, ENT, RVAR = ("actor/reward_kl_penalty", "actor/kl_loss", "actor/reward_kl_var",
@@ -240,7 +240,7 @@ def test_kl_below_the_band_warns_instead_of_rolling_back():
 # ---------------------------------------------------------------------------------------------
 # adjust: the remedies, with cooldowns and limits; each change written out by hand
 
-from nanokl.harness.config_nanokl import AdjustRule  # noqa: E402
+from nanokl.harness.config.nanokl_keys import AdjustRule  # noqa: E402
 
 SCORE, EV = "critic/score/mean", "critic/vf_explained_var"
 

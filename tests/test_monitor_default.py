@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from nanokl.harness.config import KLMonitorConfig
-from nanokl.harness.config_load import parse_cli
-from nanokl.harness.config_notes import startup_notes
+from nanokl.harness.config.schema import KLMonitorConfig
+from nanokl.harness.config.load import parse_cli
+from nanokl.harness.config.notes import startup_notes
 from nanokl.harness.tracking import read_metrics
 from test_bad_input import train_cli
 from test_monitor_runs import first_streak_end

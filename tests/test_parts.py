@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from nanokl.harness import scoring, variants
-from nanokl.harness.config_load import load_config
+from nanokl.harness.config.load import load_config
 from nanokl.harness.data import rank_rows
 from nanokl.harness.run_state import TrainingStopped
 from nanokl.offline import rejection_mask, rs_sums, sequence_is_weights
@@ -243,7 +243,7 @@ def test_advantages_read_the_mask_rejection_left(sft_dir, tmp_path, monkeypatch)
     compute_advantage reads the batch's mask after rollout_rs rewrote it: GAE whitens over the kept
     tokens only. The part is scripted here to reject the second half of the responses."""
     import train_ppo
-    from nanokl.harness.config_load import parse_cli
+    from nanokl.harness.config.load import parse_cli
     from nanokl.harness.run import setup
     run = setup(parse_cli(["--config", str(TINY), "data.num_train=16", "data.num_val=0", "data.train_batch_size=4",
                            "actor_rollout_ref.actor.ppo_mini_batch_size=4",

@@ -17,9 +17,9 @@ and the reference, a bf16 fused rollout copy for generation (nanokl/harness/run.
 
 import torch
 
-from nanokl import model as M
+from nanokl.engine import model as M
 from nanokl import forwards
-from nanokl.fused import fuse_for_rollout
+from nanokl.engine.fused import fuse_for_rollout
 from nanokl.kl import kl_penalty
 from nanokl.rollout import generate
 

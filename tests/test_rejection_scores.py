@@ -221,7 +221,7 @@ def test_ppo_step_advantages_keep_the_scores_rejection_masked(sft_dir, tmp_path,
     verl's formulas on the row sums of the rewards, 0 on the rejected tokens; for each grouped estimator."""
     import train_ppo
     from nanokl.harness import scoring
-    from nanokl.harness.config_load import parse_cli
+    from nanokl.harness.config.load import parse_cli
     from nanokl.harness.run import setup
     rc = "algorithm.rollout_correction."
     run = setup(parse_cli(["--config", str(ROOT / "configs" / "grpo_arith.yaml"), "data.num_train=16", "data.num_val=0",

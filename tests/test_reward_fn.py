@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanokl.harness.config_io import UserError, run_cli
-from nanokl.harness.config_load import load_config
+from nanokl.harness.config.yaml_io import UserError, run_cli
+from nanokl.harness.config.load import load_config
 from nanokl.harness.reward_fn import REWARD_MANAGERS, check_sources, load_custom, manager, naive, scorer
 from nanokl.harness.scoring import score_batch
 from nanokl.harness.tokenizer import train_tokenizer

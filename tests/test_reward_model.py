@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from nanokl.harness import hf_format as H
-from nanokl import model as M
-from nanokl.model import init_weights
-from nanokl.harness.config_io import UserError
-from nanokl.harness.config_load import load_config
+from nanokl.engine import model as M
+from nanokl.engine.model import init_weights
+from nanokl.harness.config.yaml_io import UserError
+from nanokl.harness.config.load import load_config
 from nanokl.harness.hf_format import CheckpointError
 from nanokl.supervised.preference_data import build_preference_data, pair_kinds, rank_responses, read_preferences
 from nanokl.supervised.reward_model import (RewardModel, bt_loss, collate, encode_rankings, fit_normalization, load_reward_model,

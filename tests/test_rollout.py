@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanokl.harness import hf_format as H
-from nanokl import model as M
+from nanokl.engine import model as M
 from nanokl.rollout import generate, sample_tokens
 
 V, EOS, PAD = 40, 1, 0

@@ -19,8 +19,8 @@
 import pytest
 import torch
 
-from nanokl import model as M
-from nanokl.graphs import engine_stats, make_engine
+from nanokl.engine import model as M
+from nanokl.engine.graphs import engine_stats, make_engine
 from nanokl.rollout import generate
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,4 +1,4 @@
-"""nanokl.graphs' CUDA-graph discipline, checked on CPU with a recording stand-in for CUDA graphs.
+"""nanokl.engine.graphs' CUDA-graph discipline, checked on CPU with a recording stand-in for CUDA graphs.
 
 The stand-in (`FakeGraphs` in tests/fake_cuda_graph.py, swapped in for `graphs.graph_api`) keeps what matters of CUDA graph
 semantics: capture records the aten ops of the decode step (a TorchDispatchMode) and leaves no
@@ -35,10 +35,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fake_cuda_graph import FakeGraphs, host_sync, storage, written
-from nanokl import graphs
-from nanokl import model as M
-from nanokl.fused import fuse_for_rollout
-from nanokl.graphs import KVBudgetError, batch_buckets, engine_bytes, engine_stats, kv_cache_bytes, make_engine
+from nanokl.engine import graphs
+from nanokl.engine import model as M
+from nanokl.engine.fused import fuse_for_rollout
+from nanokl.engine.graphs import KVBudgetError, batch_buckets, engine_bytes, engine_stats, kv_cache_bytes, make_engine
 from nanokl.rollout import DecodeState, decode_step, generate
 
 V, EOS, PAD = 48, 1, 0
@@ -412,7 +412,7 @@ def test_the_memory_budget_keeps_a_cache_that_fits_and_refuses_one_that_does_not
 
 def test_a_run_whose_gpu_cannot_hold_the_cache_stops_at_setup(fake, sft_dir, tmp_path, monkeypatch):
     import train_ppo
-    from nanokl.harness.config_io import UserError
+    from nanokl.harness.config.yaml_io import UserError
     monkeypatch.setattr(graphs, "device_memory", lambda device: (2**30, 2**31))  # half of 2 GiB in use
     root = Path(__file__).resolve().parents[1]
     args = ["--config", str(root / "configs" / "arith_tiny.yaml"),

@@ -50,7 +50,7 @@ def errors(err):
 @pytest.fixture(scope="module")
 def other_sft(tmp_path_factory):
     """A second warm start of another width (hidden 48, not 32): another model with its own tokenizer file."""
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.supervised.sft import train_sft
     out = tmp_path_factory.mktemp("sft48")
     train_sft(load_config(ROOT / "configs" / "arith_tiny.yaml",
@@ -173,7 +173,7 @@ def test_a_checkpoint_without_a_record_resumes_with_a_note(sft_dir, two_steps, c
 # ---------------------------------------------------------------------------------------------
 
 def test_default_folder_is_verls(tmp_path):
-    from nanokl.harness.config_load import load_config, parse_cli
+    from nanokl.harness.config.load import load_config, parse_cli
     verl = parse_cli(["data.train_files=x.parquet", "actor_rollout_ref.model.path=m"])
     assert verl.trainer.default_local_dir == "checkpoints/nanokl/default"
     named = parse_cli(["data.train_files=x.parquet", "actor_rollout_ref.model.path=m", "trainer.project_name=p",

@@ -2,7 +2,7 @@
 
 import torch
 
-from nanokl import model as M
+from nanokl.engine import model as M
 from nanokl.harness.scoring import keep_last_tokens
 from nanokl.supervised.reward_model import RewardModel
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from nanokl.harness import hf_format as H
-from nanokl import model as M
-from nanokl.harness.config_io import UserError
-from nanokl.harness.config_load import load_config
+from nanokl.engine import model as M
+from nanokl.harness.config.yaml_io import UserError
+from nanokl.harness.config.load import load_config
 from nanokl.harness.tokenizer import load_tokenizer, train_tokenizer
 from nanokl.supervised.sft import encode_demos, sft_loss, train_sft
 from nanokl.tasks import TASKS

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nanokl.harness.config import DataConfig
-from nanokl.harness.config_io import ConfigError, UserError
-from nanokl.harness.config_load import load_config
+from nanokl.harness.config.schema import DataConfig
+from nanokl.harness.config.yaml_io import ConfigError, UserError
+from nanokl.harness.config.load import load_config
 from nanokl.harness.data import DataError
 from nanokl.tasks import TASKS, arith, get_task, gsm8k
 from nanokl.tasks.arith import ArithDifficulty, arith_score, make_arith_task, mix_answer_formats

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.tokenizer import apply_template, load_tokenizer, train_tokenizer
 
 TEXTS = [f"What is {a} + {b}? Let's think. {a} + {b} = {a + b}\n#### {a + b}" for a in range(40) for b in range(0, 400, 37)]

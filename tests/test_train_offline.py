@@ -34,7 +34,7 @@ TINY = ["data.num_train=64", "data.num_val=16", "data.train_batch_size=8", "data
 @pytest.fixture(scope="module")
 def logged_file(tmp_path_factory):
     """Ranked logged responses to 16 training problems of the arithmetic task (no log-probs: mu = pi_ref)."""
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.tasks import get_task
     cfg = load_config(ROOT / "configs" / "arith_tiny.yaml", ["data.num_train=16", "data.num_val=0"])
     train, _ = get_task("arith").examples(cfg.data, seed=0)
@@ -121,7 +121,7 @@ def test_dpo_micro_batches_equal_one_batch(sft_dir, logged_file):
     """One pair per micro-batch accumulates exactly the gradient of the whole mini-batch's DPO loss."""
     from types import SimpleNamespace
     from nanokl import dpo, forwards
-    from nanokl.batching import Batching
+    from nanokl.engine.batching import Batching
     from nanokl.harness.hf_format import from_pretrained
     from nanokl.harness.logged import draw_responses, logged_batch, read_logged
     from nanokl.harness.tokenizer import load_tokenizer

@@ -162,7 +162,8 @@ def test_full_kl_in_the_reward_equals_kl_div_recomputed(sft_dir, tmp_path, monke
 
     import torch.nn.functional as F
 
-    from nanokl import forwards, shard
+    from nanokl import forwards
+    from nanokl.engine import shard
     seen = []
     original = forwards.compute_full_kl
 
@@ -356,7 +357,7 @@ def test_fresh_heads_and_warm_start_draw_from_their_own_seeded_generators(sft_di
     """The value head and the RM head are normal(0, initializer_range) rows from a CPU generator of
     their own seed (the reference: that generator drawn here), whatever torch's global generator
     went through before; the warm start neither depends on nor moves the global generator."""
-    from nanokl.harness.config_load import load_config
+    from nanokl.harness.config.load import load_config
     from nanokl.harness.hf_format import load_value_model, read_config
     from nanokl.supervised.reward_model import load_reward_model
     from nanokl.supervised.sft import train_sft

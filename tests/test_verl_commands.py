@@ -22,7 +22,7 @@ import train_ppo
 from chat_templates import LLAMA3_1, QWEN2_5
 from nanokl.harness.hf_format import save_pretrained
 from nanokl.harness.tracking import read_metrics
-from nanokl.model import CausalLM, ModelConfig, init_weights
+from nanokl.engine.model import CausalLM, ModelConfig, init_weights
 from verl_data import verl_row, write_rows
 
 transformers = pytest.importorskip("transformers")

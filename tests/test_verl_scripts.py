@@ -46,10 +46,10 @@ import torch
 
 import train_ppo
 from chat_templates import QWEN2_5
-from nanokl.harness.config_load import parse_cli
+from nanokl.harness.config.load import parse_cli
 from nanokl.harness.hf_format import save_pretrained
 from nanokl.harness.tracking import read_metrics
-from nanokl.model import CausalLM, ModelConfig
+from nanokl.engine.model import CausalLM, ModelConfig
 from test_hydra_overrides import DAPO_7B, DAPO_32B, GSPO
 from test_verl_commands import gsm8k_rows, tiny_chat_model
 from verl_data import write_rows

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from nanokl import forwards
 from nanokl import workers as W
-from nanokl import model as M
-from nanokl.batching import Batching
+from nanokl.engine import model as M
+from nanokl.engine.batching import Batching
 from nanokl.ppo import LOSS_AGG_MODES
 from nanokl.kl import kl_penalty
 from nanokl.ppo import agg_loss, compute_policy_loss, entropy_from_logits
@@ -130,7 +130,7 @@ def test_micro_batched_gradient_equals_the_mini_batch_gradient(mode):
     specs = [Batching(micro_size=2), Batching(micro_size=4),
              Batching(token_budget=2 * batch["attention_mask"].shape[1]),
              Batching(token_budget=int(lengths.max()) + 3, packed=True), Batching(packed=True),
-             # the chunked LM head (nanokl/fused.py) inside the micro-batched loop, padded and packed
+             # the chunked LM head (nanokl/engine/fused.py) inside the micro-batched loop, padded and packed
              Batching(micro_size=4, chunk=5), Batching(token_budget=int(lengths.max()) + 3, packed=True, chunk=3)]
     for spec in specs:
         opt = Recorder(m.parameters())
@@ -289,7 +289,7 @@ def test_full_kl_loss_runs_over_epochs_and_needs_the_reference():
     ("auto", True, False, 1.0, True),    # greedy records temperature 1: the training temperature here
     ("auto", True, False, 0.7, False),   # ... but not here
     (True, False, True, 0.7, True),      # asked for: the sampler's own log-probs anchor PPO
-    (True, True, False, 0.7, False),     # never a different temperature's (config_rules refuses it)
+    (True, True, False, 0.7, False),     # never a different temperature's (rules refuses it)
     (False, True, True, 1.0, False),
 ])
 def test_when_rollout_log_probs_are_the_old_ones(mode, same, do_sample, temperature, expected):

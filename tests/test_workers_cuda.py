@@ -18,8 +18,8 @@ import torch
 
 from nanokl import forwards
 from nanokl import workers as W
-from nanokl.batching import Batching
-from nanokl.model import ValueModel
+from nanokl.engine.batching import Batching
+from nanokl.engine.model import ValueModel
 
 from test_workers import VANILLA, rollout_batch, tiny
 

@@ -5,7 +5,7 @@ import json
 import re
 from pathlib import Path
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.tasks.gsm8k import INSTRUCTION, SOURCE
 
 

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from nanokl.harness import ref_check, remedies, summary
-from nanokl.harness.config_build import config_to_dict
+from nanokl.harness.config.build import config_to_dict
 from nanokl.harness.generations import dump_rollout, gather, pick_val_generations
 from nanokl.harness.metrics import timer
 from nanokl.harness.run_state import TrainingStopped, _restore, release_lock, save

@@ -36,7 +36,7 @@ import functools
 import json
 from datetime import datetime
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 
 # the named special tokens transformers passes to a template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.faults import checkpoint_bytes
 from nanokl.harness.hf_format import save_pretrained
 
@@ -252,7 +252,7 @@ def load_state(path, read_optim=True) -> tuple[dict | None, dict]:
     """(optimizer states, trainer state) of a checkpoint directory; weights load separately
     with nanokl.harness.hf_format.from_pretrained(path / "actor") etc. Under torchrun only rank 0
     passes read_optim (it gets None otherwise): the states are then broadcast from rank 0
-    (nanokl/shard.py), so N ranks do not each hold a full copy of Adam's moments in memory."""
+    (nanokl/engine/shard.py), so N ranks do not each hold a full copy of Adam's moments in memory."""
     path = Path(path)
     for f in ("optim.pt", "trainer_state.pt"):
         if not (path / f).is_file():

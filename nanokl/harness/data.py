@@ -22,7 +22,7 @@ This module holds what does not depend on the task:
    function of (s, seed): epoch e = s // steps_per_epoch shuffles with seed + e, and the step
    takes its slice of that permutation. No sampler state to checkpoint: resuming at step k
    needs only k, and two ranks that agree on (k, seed) agree on the batch. (How a batch is
-   then cut into micro-batches by token budget, or packed, is nanokl/batching.py.)
+   then cut into micro-batches by token budget, or packed, is nanokl/engine/batching.py.)
 
 3. Prompts -> token ids (`build_prompts`): an example's chat `messages` in the model's own chat
    template (as verl renders every prompt: tokenizer.apply_chat_template; data.return_raw_chat
@@ -49,7 +49,7 @@ import random
 import re
 from pathlib import Path
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.tokenizer import apply_template
 
 # ---------------------------------------------------------------------------------------------

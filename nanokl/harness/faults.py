@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from nanokl import dist
-from nanokl.harness.config_io import UserError
+from nanokl.engine import dist
+from nanokl.harness.config.yaml_io import UserError
 
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGINT": signal.SIGINT}
 INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), once the step is finished and saved

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed
 
-from nanokl import dist
+from nanokl.engine import dist
 
 
 def gather(items: list) -> list:

@@ -14,7 +14,7 @@ Two details of the format trip readers up, and both are handled here:
   With tied embeddings the file has no `lm_head.weight` (safetensors cannot store one tensor twice).
 
 `from_pretrained` (policy, reference), `load_value_model` (critic) and `save_pretrained` turn a
-directory into nanokl's modules (nanokl/model.py) and back: the module is built on the meta
+directory into nanokl's modules (nanokl/engine/model.py) and back: the module is built on the meta
 device, so no memory is spent on random weights that the loaded tensors replace. A bad directory
 raises `CheckpointError` naming the missing file, the unsupported architecture, or the tensor
 whose name or shape is wrong. tests/test_model.py checks
@@ -29,8 +29,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanokl.harness.config_io import UserError
-from nanokl.model import CausalLM, ModelConfig, ValueModel, rope_inv_freq
+from nanokl.harness.config.yaml_io import UserError
+from nanokl.engine.model import CausalLM, ModelConfig, ValueModel, rope_inv_freq
 
 # architecture name in config.json -> (model_type, head): "lm" a causal LM, "value" a scalar head
 # at every position (the critic), "reward" a bias-free scalar head at the last token (reward model)
@@ -52,7 +52,7 @@ class CheckpointError(UserError):
 
 def read_config(path, overrides=None) -> tuple[dict, str]:
     """config.json -> (ModelConfig keyword arguments, head kind "lm" | "value" | "reward"). `overrides`
-    (verl's model.override_config, checked by config_verl) replace config.json's entries; a mapping is
+    (verl's model.override_config, checked by verl_keys) replace config.json's entries; a mapping is
     merged into the entry's own (rope_scaling: {factor: 4.0} keeps its other keys)."""
     path = Path(path)
     if not path.is_dir():

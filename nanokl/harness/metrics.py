@@ -7,7 +7,7 @@ verl's `compute_data_metrics` reports, for each per-response or per-token quanti
 response/aborted_ratio, perf/time_per_step (= timing_s/step) and timing_per_token_ms/<phase> (gen per
 response token, ref, values, adv, update_critic, update_actor per prompt + response token). Under data parallelism each
 rank holds a slice of the batch, so every statistic here is reduced over ranks (sums and counts for
-means, max/min for extremes; nanokl/dist.py): the logged numbers are those of the whole global
+means, max/min for extremes; nanokl/engine/dist.py): the logged numbers are those of the whole global
 batch, whatever the world size.
 
 The critic's explained variance, 1 - Var[R - V] / Var[R] over the response tokens, is 1 for a
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from nanokl import dist
+from nanokl.engine import dist
 from nanokl.harness.data import steps_per_epoch
 from nanokl.masked import masked_moments
 

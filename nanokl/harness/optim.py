@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from nanokl import shard
+from nanokl.engine import shard
 
 
 def lr_lambda(optim, total_steps):
@@ -29,6 +29,6 @@ def make_optimizer(model, optim, total_steps, offload_state=False):
     fused = bool(params) and all(p.device.type == "cuda" for p in params) or None
     opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
                             fused=fused)
-    if offload_state:  # fsdp_config.optimizer_offload alone: the state waits on CPU between steps (nanokl/shard.py)
+    if offload_state:  # fsdp_config.optimizer_offload alone: the state waits on CPU between steps (nanokl/engine/shard.py)
         shard.offload_optimizer(opt)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))

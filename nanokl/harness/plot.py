@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from nanokl.harness.config_io import UserError, run_cli
+from nanokl.harness.config.yaml_io import UserError, run_cli
 from nanokl.harness.tracking import read_metrics
 
 

@@ -20,7 +20,7 @@ activity too when the run is on a GPU. From the roles' own `profiler` sections
 (`cpu`, `cuda`: which activities; `stack`, `shapes`, `memory`: with_stack, record_shapes,
 profile_memory). nanokl's roles share one process per GPU, so one trace covers all of them; the
 per-role switches (`enable`, `discrete`) have no counterpart and keep their start-up note
-(config_notes.VERL_NOTES: with no step chosen nothing is recorded, as in verl), and `notes` gives
+(notes.VERL_NOTES: with no step chosen nothing is recorded, as in verl), and `notes` gives
 one for a tool other than torch (nsys, npu, torch_memory: their options in global_tool_config
 change nothing) and for `profile_continuous_steps` (one trace per step here).
 A bad steps value stops the run at start-up in one line.
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 
 ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic", "reward_model")
 TOP_OPS = 8  # ops listed in the summary, by self time
@@ -73,7 +73,7 @@ def chosen_steps(cfg) -> tuple[list[int], str | None]:
 
 
 def notes(cfg) -> list[str]:
-    """Start-up notes for the profiler keys nanokl accepts but does not honour (config_notes.startup_notes)."""
+    """Start-up notes for the profiler keys nanokl accepts but does not honour (notes.startup_notes)."""
     g = cfg.global_profiler if isinstance(cfg.global_profiler, dict) else {}
     chosen_steps(cfg)  # a bad value: refused at start-up
     lines = []

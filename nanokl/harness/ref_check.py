@@ -53,7 +53,7 @@ tests/test_ref_check.py plants a reference that shares the actor's parameters in
 
 import torch
 
-from nanokl import dist, shard
+from nanokl.engine import dist, shard
 from nanokl.harness.data import encode_prompts
 from nanokl.harness.metrics import timer
 from nanokl.harness.run_state import TrainingStopped

@@ -36,7 +36,7 @@ advantage estimator mid-run changes what every later step computes, and a run th
 better restarted with algorithm.adv_estimator=grpo.
 """
 
-from nanokl import shard
+from nanokl.engine import shard
 from nanokl.harness.checkpoint import checkpoint_dir
 from nanokl.kl_ctrl import FixedKLController
 

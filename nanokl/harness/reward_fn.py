@@ -67,8 +67,8 @@ from pathlib import Path
 
 import torch
 
-from nanokl import dist
-from nanokl.harness.config_io import UserError
+from nanokl.engine import dist
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.data import DataError, where_of
 from nanokl.harness.run_state import TrainingStopped
 from nanokl.tasks import get_task, source_task

@@ -8,7 +8,7 @@ functions below (and after_step.py's) read and update; no trainer class hierarch
 
     run = setup(cfg)               models (policy, frozen reference, critic when the advantage
                                    estimator needs one), a rollout copy where one is needed
-                                   (nanokl/shard.py), optimizers, KL controllers, the task's
+                                   (nanokl/engine/shard.py), optimizers, KL controllers, the task's
                                    examples; the warm start / reward model trained first when
                                    missing; the reference's storage test and its probe
                                    (harness/ref_check.py); resume from the latest checkpoint
@@ -50,15 +50,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanokl import dist, shard
+from nanokl.engine import dist, shard
 from nanokl.advantages import ESTIMATORS
-from nanokl.batching import Batching
+from nanokl.engine.batching import Batching
 from nanokl.harness import ref_check, variants
 from nanokl.harness.checkpoint import latest_checkpoint, verify_checkpoint
-from nanokl.harness.config_build import config_to_dict
-from nanokl.harness.config_io import UserError
-from nanokl.harness.config_load import save_config
-from nanokl.harness.config_notes import startup_notes
+from nanokl.harness.config.build import config_to_dict
+from nanokl.harness.config.yaml_io import UserError
+from nanokl.harness.config.load import save_config
+from nanokl.harness.config.notes import startup_notes
 from nanokl.harness.data import check_loaded, drop_overlong, steps_per_epoch, without
 from nanokl.harness.after_step import validation
 from nanokl.harness.faults import Preemption, catch_preemption, inject
@@ -75,9 +75,9 @@ from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.harness.tracking import Tracker
 from nanokl.harness.world import check_world as _check_world, pick_device
 from nanokl.kl_ctrl import AdaptiveKLController, FixedKLController, make_kl_controller, make_kl_loss_controller
-from nanokl.fused import fuse_for_rollout
-from nanokl.graphs import KVBudgetError, make_engine
-from nanokl.model import compile_layers
+from nanokl.engine.fused import fuse_for_rollout
+from nanokl.engine.graphs import KVBudgetError, make_engine
+from nanokl.engine.model import compile_layers
 from nanokl.tasks import get_task
 from nanokl.forwards import rollout_log_probs_are_old
 
@@ -130,7 +130,7 @@ def batching_specs(cfg) -> dict:
     """verl's micro-batch knobs of each forward and update -> how it cuts its batch (batching.py)."""
     arr, c = cfg.actor_rollout_ref, cfg.critic
     a, ro, packed, packed_c = arr.actor, arr.rollout, arr.model.use_remove_padding, c.model.use_remove_padding
-    fused, size = arr.model.use_fused_kernels, arr.model.fused_chunk_size  # the LM head chunked (nanokl/fused.py)
+    fused, size = arr.model.use_fused_kernels, arr.model.fused_chunk_size  # the LM head chunked (nanokl/engine/fused.py)
     actor_chunk = size if fused or a.entropy_from_logits_with_chunking else None
 
     def spec(micro_size, max_tokens, dynamic, packed, chunk=None):
@@ -244,19 +244,19 @@ def _setup(cfg) -> Run:
         critic.model.gradient_checkpointing = c.model.enable_gradient_checkpointing  # read nowhere before
     # Rollout reads the policy's whole weights. A plain CPU actor (or a DDP replica) is used as is;
     # otherwise (CUDA: bf16; FSDP2: the weights are sharded) rollout runs a copy that is refreshed
-    # in place after every update, so that its captured CUDA graphs stay valid (nanokl/shard.py).
+    # in place after every update, so that its captured CUDA graphs stay valid (nanokl/engine/shard.py).
     rollout_model = actor
     rollout_copy = device.type == "cuda" or shard.sharded(a.strategy)  # fsdp2 under torchrun, even at W=1
     if rollout_copy:
         dtype = getattr(torch, ro.dtype) if device.type == "cuda" else torch.float32
         rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype,
                                                          overrides=over).eval().requires_grad_(False))
-    if device.type == "cuda":  # verl's use_torch_compile: each decoder layer compiled (nanokl/model.py); CUDA only
+    if device.type == "cuda":  # verl's use_torch_compile: each decoder layer compiled (nanokl/engine/model.py); CUDA only
         for model, on in ((actor, a.use_torch_compile), (ref, arr.ref.use_torch_compile),
                           (critic, a.use_torch_compile)):
             if model is not None and on:
                 compile_layers(model)
-    # fsdp_config's CPU offload, each (the shards' CPUOffloadPolicy, the optimizer state alone): nanokl/shard.py
+    # fsdp_config's CPU offload, each (the shards' CPUOffloadPolicy, the optimizer state alone): nanokl/engine/shard.py
     a_off = shard.offload_setting("actor_rollout_ref.actor", a.strategy, device, a.fsdp_config)
     c_off = shard.offload_setting("critic.model", c.strategy, device, c.model.fsdp_config) if needs_critic else (0, 0)
     ref_off = shard.offload_setting("actor_rollout_ref.ref", arr.ref.strategy, device, arr.ref.fsdp_config, False)
@@ -293,7 +293,7 @@ def _setup(cfg) -> Run:
                           experiment=t.experiment_name, resume_step=run.start if ckpt else None)
     if ro.use_cuda_graph:  # size the rollout's CUDA-graph engine once, for every call of the run (a no-op on CPU)
         val_rows = min(d.val_batch_size, len(val[rank::W])) * ro.val_kwargs.n if val else 0
-        try:  # its cache within gpu_memory_utilization of the GPU (nanokl/graphs.py: refused, not capped)
+        try:  # its cache within gpu_memory_utilization of the GPU (nanokl/engine/graphs.py: refused, not capped)
             make_engine(shard.unwrap(rollout_model), ro.max_batch_size or max(d.train_batch_size // W * ro.n, val_rows),
                         d.max_prompt_length + ro.response_length, ro.gpu_memory_utilization, GMU)
         except KVBudgetError as e:

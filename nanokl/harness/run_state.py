@@ -38,16 +38,16 @@ import sys
 import time
 from pathlib import Path
 
-from nanokl import dist, shard
+from nanokl.engine import dist, shard
 from nanokl.harness import remedies
 from nanokl.harness.checkpoint import (LEGACY_ROOT, POINTER, CheckpointWriteError, _sha256, load_state, read_record,
                                        rng_state, save_checkpoint, set_rng_state)
-from nanokl.harness.config_build import config_to_dict
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.build import config_to_dict
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.hf_format import from_pretrained, load_value_model, read_config
 from nanokl.harness.tracking import GENERATIONS
 from nanokl.kl_ctrl import FixedKLController
-from nanokl.model import ModelConfig
+from nanokl.engine.model import ModelConfig
 
 
 class TrainingStopped(Exception):

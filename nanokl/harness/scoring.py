@@ -47,7 +47,7 @@ import numbers
 
 import torch
 
-from nanokl import dist, shard
+from nanokl.engine import dist, shard
 from nanokl.kl import kl_penalty
 from nanokl.kl_probe import probe_stats
 from nanokl.masked import masked_mean

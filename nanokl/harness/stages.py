@@ -5,8 +5,8 @@ reward model distilled from rankings. Rank 0 makes each, the others wait at a ba
 import sys
 from pathlib import Path
 
-from nanokl import dist
-from nanokl.harness.config_io import UserError
+from nanokl.engine import dist
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.supervised.reward_model import build_ranked_data, load_reward_model
 from nanokl.supervised.reward_model import train_from_config as train_reward_model
 from nanokl.supervised.sft import train_sft

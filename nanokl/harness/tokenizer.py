@@ -10,7 +10,7 @@ runs directly; `tokenizer_config.json` names the special tokens (`eos_token`, `p
 
 - Left padding. A batch of prompts is padded on the *left*, so every prompt ends in the last
   column and generation appends the next token of every row in the same column. The attention
-  mask (1 = real token) tells the model to skip the padding (see nanokl/model.py).
+  mask (1 = real token) tells the model to skip the padding (see nanokl/engine/model.py).
 - Truncation of over-long prompts as verl's `data.truncation`: "error" (the default: a prompt
   that does not fit is a mistake), "left" (keep the end) or "right" (keep the start).
 - Prompt templates: "plain" feeds the text as is; "chatml" wraps it in the chat format that Qwen
@@ -38,7 +38,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from nanokl.harness.chat_template import SPECIAL_TOKENS, render
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 
 CHATML = "<|im_start|>{role}\n{content}<|im_end|>\n"
 

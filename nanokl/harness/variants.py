@@ -31,7 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanokl import dist, forwards, shard
+from nanokl import forwards
+from nanokl.engine import dist, shard
 from nanokl.advantages import ESTIMATORS
 from nanokl.harness.data import encode_prompts, rank_rows, step_seed
 from nanokl.harness.logged import draw_responses, logged_batch

@@ -3,7 +3,7 @@ and GPU counts against the processes torchrun started, verl's older global micro
 the per-GPU ones nanokl reads (verl's workers divide them by the world size), and the batch sizes that
 must divide evenly among the processes. Split from run.py to keep each file short.
 
-And this process's device (`pick_device`): nanokl.dist.local_device's choice, plus the one line that
+And this process's device (`pick_device`): nanokl.engine.dist.local_device's choice, plus the one line that
 says why trainer.device=auto runs on the CPU of a machine that has an NVIDIA GPU (tests/test_local_device.py)."""
 
 import functools
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from nanokl import dist
-from nanokl.harness.config_io import ConfigError, UserError
-from nanokl.harness.config_rules import validate as validate_config
+from nanokl.engine import dist
+from nanokl.harness.config.yaml_io import ConfigError, UserError
+from nanokl.harness.config.rules import validate as validate_config
 
 
 # verl's older micro-batch sizes count responses over all GPUs: verl's workers divide them by the world size

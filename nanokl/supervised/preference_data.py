@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
-from nanokl.harness.config import DataConfig
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.schema import DataConfig
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.data import build_prompts, read_rows
 from nanokl.harness.hf_format import from_pretrained
 from nanokl.harness.tokenizer import load_tokenizer

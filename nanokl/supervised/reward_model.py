@@ -7,7 +7,7 @@ r(x, y) -> R that scores a prompt x and response y, trained so that preferred re
 higher (Christiano et al. 2017; Ziegler et al. 2019; Ouyang et al. 2022). PPO then maximises
 r(x, y) - beta * KL(pi || pi_ref), and the KL term keeps the policy where r was trained to judge.
 
-The model (`RewardModel`, below) is the policy's backbone (nanokl/model.py `Decoder`) with the LM
+The model (`RewardModel`, below) is the policy's backbone (nanokl/engine/model.py `Decoder`) with the LM
 head replaced by a bias-free linear head `score` [1, hidden] read at the *last real token* of
 prompt+response (the EOS that ends the response): the one position that has seen the whole text,
 initialised from the warm start (its LM head dropped, a fresh `score` row). The layout is
@@ -66,11 +66,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from nanokl.harness.config_io import ConfigError, UserError, run_cli
-from nanokl.harness.config_load import parse_cli
+from nanokl.harness.config.yaml_io import ConfigError, UserError, run_cli
+from nanokl.harness.config.load import parse_cli
 from nanokl.harness.data import build_prompts
 from nanokl.harness.hf_format import CheckpointError, from_pretrained, load_scalar_head, read_config, save_pretrained
-from nanokl.model import Decoder, ModelConfig
+from nanokl.engine.model import Decoder, ModelConfig
 from nanokl.supervised.preference_data import build_preference_data, pair_kinds, read_preferences
 from nanokl.rollout import generate
 from nanokl.supervised.sft import adamw_cosine
@@ -299,7 +299,7 @@ def build_ranked_data(cfg) -> dict:
 
 def train_from_config(cfg, progress=True) -> dict:
     """What `python -m nanokl.supervised.reward_model` does; returns the metrics it also writes to rm_metrics.json."""
-    rc, t, d = cfg.reward_model, cfg.reward_model.train, cfg.data  # sizes and rates: checked by config_rules
+    rc, t, d = cfg.reward_model, cfg.reward_model.train, cfg.data  # sizes and rates: checked by rules
     task = get_task(d.task)
     if not rc.model.path or not t.data_path:
         raise ConfigError("set reward_model.model.path (where the RM is saved) and reward_model.train.data_path")

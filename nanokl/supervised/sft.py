@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from nanokl.harness.config_io import UserError, run_cli
-from nanokl.harness.config_load import parse_cli
+from nanokl.harness.config.yaml_io import UserError, run_cli
+from nanokl.harness.config.load import parse_cli
 from nanokl.harness.data import build_prompts
 from nanokl.harness.hf_format import save_pretrained
 from nanokl.harness.tokenizer import apply_template, right_pad, train_tokenizer
 from nanokl.harness.world import pick_device
-from nanokl.model import CausalLM, ModelConfig, init_weights
+from nanokl.engine.model import CausalLM, ModelConfig, init_weights
 from nanokl.rollout import generate
 from nanokl.tasks import get_task
 

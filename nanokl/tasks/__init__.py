@@ -50,7 +50,7 @@ model all see the same prompts. A new task is one file here, one line in TASKS, 
 (tests/test_tasks.py shows a task defined in the test alone driving train_ppo.py).
 """
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.tasks import arith, by_source, gsm8k, math, math_dapo
 
 TASKS = {"arith": arith, "gsm8k": gsm8k}

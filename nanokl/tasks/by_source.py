@@ -27,7 +27,7 @@ This module is that, as a task: what `data.task` unset means when data files are
 tests/test_reward_fn.py checks that a mixed file is scored row by row by each source's own rule.
 """
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.data import read_examples, verl_row_to_example
 from nanokl.tasks import gsm8k
 

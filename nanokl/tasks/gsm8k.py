@@ -50,7 +50,7 @@ negatives, decimals and clipping.
 
 import re
 
-from nanokl.harness.config_io import UserError
+from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.data import DataError, read_examples, row_field, verl_row_to_example
 
 SOURCE = "openai/gsm8k"

@@ -19,7 +19,7 @@ Packing (verl's `use_remove_padding`). A padded micro-batch [n, P+R] spends comp
 tokens. Packing concatenates the *real* tokens of its sequences into one row, numbers them
 1, 2, 3, ... in the attention mask and restarts position ids at 0 for each, so that RoPE sees the
 same positions as in the padded layout and attention never crosses from one sequence into
-another (nanokl/model.py builds the block-diagonal causal mask). The logits of the positions
+another (nanokl/engine/model.py builds the block-diagonal causal mask). The logits of the positions
 that predict response tokens are gathered by `index` (`logits_to_keep` as an index tensor for
 the LM head, a plain gather for the critic's values), which puts them back in [n, R]. Kernel: the
 block-diagonal mask is never built (at verl's budgets of 16,384 tokens a row, an L^2 mask and the
@@ -27,7 +27,7 @@ fp32 scores a masked kernel falls back to would take tens of GiB). The sequence 
 cumulative lengths cu_seqlens = [0, l_1, l_1 + l_2, ...], and a varlen kernel attends within each
 sequence: PyTorch's `varlen_attn` or flash-attention's `flash_attn_varlen_func` on GPU (verl's
 choice), a FlexAttention document mask otherwise, and one causal SDPA per sequence on CPU
-(nanokl/attention.py).
+(nanokl/engine/attention.py).
 
 Metadata on the host. Which rows go together, where each real token sits in the packed row, the
 position ids, the cumulative lengths and the positions to gather come from the attention mask; on a
@@ -47,7 +47,7 @@ import warnings
 
 import torch
 
-from nanokl import attention as A
+from nanokl.engine import attention as A
 
 
 def balanced_partition(lengths, k):
@@ -82,7 +82,7 @@ def token_budget_micro_batches(lengths, budget, min_count=1):
 class Batching:
     """How a pass cuts its batch into micro-batches: a fixed count of responses, or a token budget
     (`use_dynamic_bsz`); whether each micro-batch is packed (`use_remove_padding`); and how the LM head
-    runs (`chunk`: nanokl/fused.py's chunked log-probs, never the whole [tokens, V] logits)."""
+    runs (`chunk`: nanokl/engine/fused.py's chunked log-probs, never the whole [tokens, V] logits)."""
     micro_size: int | None = None  # responses per micro-batch; None: the whole batch at once
     token_budget: int | None = None  # tokens per micro-batch instead (dynamic batch size)
     packed: bool = False  # concatenate real tokens into one row, no padding
@@ -174,7 +174,7 @@ def micro_batch(batch, rows, spec: Batching, host):
 
 def agreed_micro_batches(batch, rows, spec: Batching, host, agree=max, skip_empty=False):
     """(micro-batch, its model inputs, whether it is the last) for the rows `rows` (host ints; None: every
-    row) of `batch`, cut by `split` into the count that `agree` makes of this rank's (nanokl/dist.py's
+    row) of `batch`, cut by `split` into the count that `agree` makes of this rank's (nanokl/engine/dist.py's
     agreed_count: the max over ranks), each built by `micro_batch` from `host` (the batch's host_mask):
     no device read.
 

@@ -14,7 +14,7 @@ class AdjustRule:
     never past `limit`, at most once per `cooldown` steps. Knobs: kl_coef, target_kl, kl_type,
     entropy_coeff, actor_lr, critic_lr (monitor.KNOBS)."""
     # setting one of these in a config drops the default rule's others: a value replaces its factor,
-    # a new knob its limit (nanokl.harness.config_io.build)
+    # a new knob its limit (nanokl.harness.config.yaml_io.build)
     DROPS: ClassVar[dict] = {"factor": ("value",), "value": ("factor",), "knob": ("limit",)}
     knob: str = "kl_coef"
     factor: Optional[float] = None  # multiply the knob by this ...

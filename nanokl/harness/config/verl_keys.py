@@ -5,9 +5,9 @@ settings, Ray, profilers, LoRA, multi-modal data, ... So that such a command run
 those keys is a field here, and each class is the *base* of the config.py section at the same path
 (`RolloutConfig(VerlRolloutKeys)` holds `actor_rollout_ref.rollout.max_num_seqs`). Nothing in
 nanokl's training reads these fields: a key whose value is not its default prints its line of
-`config_notes.VERL_NOTES` once at start-up (what nanokl does instead), or, where nanokl cannot
+`notes.VERL_NOTES` once at start-up (what nanokl does instead), or, where nanokl cannot
 honour the value without changing the result, is refused in one line by `check_verl_keys` below
-(part of `config_rules.validate`).
+(part of `rules.validate`).
 
 Groups of keys that only matter together (profiler settings, vLLM engine kwargs, the agent loop)
 are one `dict` field each: any mapping is accepted, and changing it prints the group's note.
@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from nanokl.harness.config_io import ConfigError, get_key
+from nanokl.harness.config.yaml_io import ConfigError, get_key
 
 __all__ = ["CustomRewardFunctionConfig", "FSDPConfig", "PolicyLossConfig", "VerlActorKeys", "VerlActorRolloutRefKeys",
            "VerlAlgorithmKeys", "VerlCriticKeys", "VerlCriticModelKeys", "VerlDataKeys", "VerlModelKeys",
@@ -35,9 +35,9 @@ _d = verl_section
 
 @dataclass
 class FSDPConfig:
-    """verl's `fsdp_config` of the actor, the reference and the critic (nanokl/shard.py shards with FSDP2)."""
-    param_offload: bool = False  # keep the parameters in CPU memory between uses (nanokl/shard.py)
-    optimizer_offload: bool = False  # keep the optimizer state in CPU memory between steps (nanokl/shard.py)
+    """verl's `fsdp_config` of the actor, the reference and the critic (nanokl/engine/shard.py shards with FSDP2)."""
+    param_offload: bool = False  # keep the parameters in CPU memory between uses (nanokl/engine/shard.py)
+    optimizer_offload: bool = False  # keep the optimizer state in CPU memory between steps (nanokl/engine/shard.py)
     offload_policy: bool = False  # FSDP2's CPUOffloadPolicy (noted)
     reshard_after_forward: bool = True  # free the gathered parameters after each forward (noted)
     fsdp_size: int = -1  # shard group size (HSDP); -1: all ranks (noted)
@@ -60,7 +60,7 @@ class FSDPConfig:
 class PolicyLossConfig:
     """verl's `actor.policy_loss`: which policy-gradient loss (nanokl/ppo.py's POLICY_LOSSES)."""
     # vanilla: dual-clip PPO; gspo: the response's length-normalised ratio clipped (seq-mean-token-mean whatever
-    # loss_agg_mode says, as verl: config_rules.resolve); cispo: the clipped ratio as a REINFORCE weight. verl's
+    # loss_agg_mode says, as verl: rules.resolve); cispo: the clipped ratio as a REINFORCE weight. verl's
     # others (sapo, gpg, clip_cov, kl_cov, geo_mean) are refused
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002  # clip_cov only
@@ -309,7 +309,7 @@ REWARD_MANAGERS = ("naive", "prime", "dapo")
 
 # model.override_config (verl: entries replacing config.json's; hf_format.read_config applies them). The fields
 # nanokl's model reads and that may change without the weights changing shape are applied; these keep nanokl's
-# model as it is at the value given (any other value refused); attn_implementation is noted (config_notes); the
+# model as it is at the value given (any other value refused); attn_implementation is noted (notes); the
 # rest is refused, each naming its key
 MODEL_OVERRIDES = ("max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps")
 MODEL_OVERRIDES_SAME = {"attention_dropout": 0, "hidden_dropout": 0, "embd_pdrop": 0, "resid_pdrop": 0,

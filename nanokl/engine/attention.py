@@ -24,7 +24,7 @@ would need ~15 GiB per score tensor). So a mask always comes with the K/V heads 
 One code path on every device: on the CPU both forms give bit-identical numbers.
 
 Packed rows never build the L x L block-diagonal mask. The documents of a packed row are runs of
-one sequence id (nanokl/batching.py numbers them 1, 2, 3, ...); their boundaries, as cumulative
+one sequence id (nanokl/engine/batching.py numbers them 1, 2, 3, ...); their boundaries, as cumulative
 lengths cu_seqlens = [0, l_1, l_1 + l_2, ...], are all a varlen kernel needs. The kernel is, in
 order of preference: `torch.nn.attention.varlen.varlen_attn` (PyTorch's FlashAttention varlen,
 CUDA, fp16/bf16), `flash_attn.flash_attn_varlen_func` when flash-attn is installed (verl's
@@ -111,7 +111,7 @@ def document_lengths(attention_mask):
 
 def packed_layout(lengths, seq_ids, cu_seqlens=None):
     """The packed layout of documents of `lengths` (host ints); `cu_seqlens` when the caller already
-    sent them to the device (nanokl/batching.py, with the rest of a micro-batch's metadata)."""
+    sent them to the device (nanokl/engine/batching.py, with the rest of a micro-batch's metadata)."""
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(seq_ids.device)
     return Layout("packed", cu_seqlens=cu_seqlens, lengths=list(lengths), seq_ids=seq_ids)
@@ -140,7 +140,7 @@ def repeat_kv(x, groups):
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-# torch.compile'd decoder layers (nanokl/model.py's compile_layers) stop here and call it eagerly: its
+# torch.compile'd decoder layers (nanokl/engine/model.py's compile_layers) stop here and call it eagerly: its
 # kernels are already fused (SDPA, varlen), and the layout's host lists (lengths) would otherwise be
 # guarded value by value, recompiling for every new packing
 @torch.compiler.disable

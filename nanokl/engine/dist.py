@@ -5,10 +5,10 @@ The idea
 `torchrun --nproc_per_node=8 train_ppo.py` starts 8 copies of the script; each reads RANK,
 WORLD_SIZE and LOCAL_RANK from its environment and joins one process group (NCCL on GPUs, gloo on
 CPU). The data are split, the models are not (or are sharded): how each model is replicated (DDP)
-or sharded (FSDP2), offloaded, copied for rollout and checkpointed is nanokl/shard.py's.
+or sharded (FSDP2), offloaded, copied for rollout and checkpointed is nanokl/engine/shard.py's.
 
 Who gets a process group. A plain `python train_ppo.py` gets none: every helper below (and every
-one in nanokl/shard.py) is then the identity and the run is the same, bit for bit, as if these
+one in nanokl/engine/shard.py) is then the identity and the run is the same, bit for bit, as if these
 modules did not exist. Any process that torchrun started (its environment names RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) joins a group, *even at world size 1*: the configured strategy is then
 applied as written, so `torchrun --nproc_per_node=1` with fsdp2 really shards over one rank (the
@@ -20,12 +20,12 @@ there is one rank: their result would be their input.
 Data-parallel semantics (train_ppo.py): rank r takes prompts [r*B/W, (r+1)*B/W) of the global
 batch, so a GRPO group (the n samples of a prompt) never straddles two ranks; advantage whitening,
 the KL the controller sees and every logged metric are reduced over ranks (`all_reduce`), so the
-numbers do not depend on W; rank 0 logs and writes checkpoints (nanokl/shard.py gathers their
+numbers do not depend on W; rank 0 logs and writes checkpoints (nanokl/engine/shard.py gathers their
 weights and optimizer state, and broadcasts them from rank 0 on resume).
 
 How the tests check it (tests/test_dist.py, gloo processes on CPU): one PPO update over 2
 processes logs the same metrics and ends with the parameters of one process on the whole batch
-(<= 1e-5 fp32), the models wrapped by nanokl/shard.py and every count, sum and extreme reduced here.
+(<= 1e-5 fp32), the models wrapped by nanokl/engine/shard.py and every count, sum and extreme reduced here.
 """
 
 import gc
@@ -119,7 +119,7 @@ def all_reduce(t, op="sum"):
 
 def agreed_count(count):
     """The count every rank uses: the largest any rank has (one all-reduce; e.g. of micro-batches,
-    nanokl/batching.py's agreed_micro_batches, since every rank must run as many)."""
+    nanokl/engine/batching.py's agreed_micro_batches, since every rank must run as many)."""
     return all_reduce(torch.tensor(count), op="max").item()
 
 

@@ -24,17 +24,17 @@ in the same column. `attention_mask` [B, T] marks real tokens (1) and padding (0
 a token is the number of real tokens before it (`cumsum(mask) - 1`), so a padded row computes the
 same numbers as the unpadded one. A key is visible to a query when it is real and not in the
 future; each token also always sees itself, which keeps the softmax of a padding row finite.
-Packed rows (nanokl/batching.py) number their sequences 1, 2, 3, ... in `attention_mask` and pass
+Packed rows (nanokl/engine/batching.py) number their sequences 1, 2, 3, ... in `attention_mask` and pass
 `position_ids` that restart at 0 for each sequence; a key is then visible only within its own
 sequence (a block-diagonal causal mask), so packing changes no number. Which attention kernel
 serves which of these layouts, without ever building an L x L mask for a packed row, is
-nanokl/attention.py's lesson; `Decoder.forward` builds the layout once and every layer shares it.
+nanokl/engine/attention.py's lesson; `Decoder.forward` builds the layout once and every layer shares it.
 
 The static KV cache. Generation appends one token at a time. Re-running the whole sequence each
 step costs O(T^2); caching every layer's keys and values makes a step O(T). `KVCache`
 preallocates k/v for [batch, max_len] once and the forward writes new entries *in place* at the
 slots `cache_positions`, so a decode step always has the same shapes and the same storage, which is
-what lets the rollout capture it in a CUDA graph (nanokl/graphs.py; the idea is gpt-fast's). With a
+what lets the rollout capture it in a CUDA graph (nanokl/engine/graphs.py; the idea is gpt-fast's). With a
 cache, `attention_mask` covers only the new tokens; the cache remembers which slots hold real
 tokens. Attention then runs over all `max_len` slots with a mask, a fixed-shape trade that costs a
 little arithmetic on empty slots and buys graph capture.
@@ -46,7 +46,7 @@ autograd, a linear layer over 2-256 rows (a decode step) computes (W x^T)^T rath
 (`linear`): the same dot products, which MKL runs 1.1-1.8x faster in that orientation for skinny
 shapes (~15% of a decode step at batch 8-32, bench/RESULTS.md), summed in another order on some
 CPUs (the last bit then differs from F.linear's). The rollout copy's fusions (q|k|v, gate|up,
-residuals in the GEMMs, RoPE as one matmul) change only the kernel count: nanokl/fused.py.
+residuals in the GEMMs, RoPE as one matmul) change only the kernel count: nanokl/engine/fused.py.
 
 The value model (critic) is the same backbone with a scalar head `score` [1, hidden] read at every
 position, named as `transformers`' `Qwen2ForTokenClassification` / `LlamaForTokenClassification`
@@ -67,7 +67,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nanokl import attention as A
+from nanokl.engine import attention as A
 
 
 @dataclass
@@ -287,14 +287,14 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rope(x, position_ids)
 
-        # who sees whom: built once here, shared by every layer (nanokl/attention.py)
+        # who sees whom: built once here, shared by every layer (nanokl/engine/attention.py)
         if cache is not None:
             if attention_mask is None:
                 cache.valid.index_fill_(1, cache_positions, True)
             else:
                 cache.valid.index_copy_(1, cache_positions, attention_mask > 0)
             lay = A.cache_layout(cache.valid, cache_positions)
-        elif lay is None:  # a training forward passes the layout it built on the host (nanokl/batching.py)
+        elif lay is None:  # a training forward passes the layout it built on the host (nanokl/engine/batching.py)
             lay = A.layout(attention_mask) if attention_mask is not None else A.Layout("causal")
 
         for i, layer in enumerate(self.layers):
@@ -330,7 +330,7 @@ class CausalLM(nn.Module):
 
         `lay`: the attention layout, when the caller built it (a training forward, from lengths it
         knows on the host: no device read). `head(hidden, weight)`: replaces the LM head on the kept
-        positions and its result is returned (nanokl/fused.py's chunked log-probs: the [T, V] logits
+        positions and its result is returned (nanokl/engine/fused.py's chunked log-probs: the [T, V] logits
         are never whole); it runs inside this forward, where a sharded model's weights are gathered."""
         h = self.model(input_ids, attention_mask, position_ids, cache, cache_positions, lay=lay)
         kept = h[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else \

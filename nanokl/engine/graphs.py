@@ -4,7 +4,7 @@ Why. A decode step is hundreds of small kernels, and eagerly the CPU launches ea
 token: at small batch the GPU waits on the launches. If a step's tensors have fixed shapes and
 storage, the whole step can be captured once into a `torch.cuda.CUDAGraph` and replayed: one launch
 per token instead of hundreds. This module is that mechanism and nothing of the algorithm: it knows
-the model's KV cache (nanokl/model.py) and how to capture, not what a step does. nanokl/rollout.py
+the model's KV cache (nanokl/engine/model.py) and how to capture, not what a step does. nanokl/rollout.py
 (its `generate`) hands it the step to capture (`decode_step` over the engine's buffers) and the
 class of its step state (`DecodeState`), and drives prefill, replays and trimming itself.
 
@@ -85,7 +85,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nanokl.model import KVCache
+from nanokl.engine.model import KVCache
 
 # The CUDA graph API, reached only through here: tests/test_rollout_graphs.py swaps in a stand-in
 # that records and replays on CPU. Graphs run on `device_type`.

@@ -6,8 +6,8 @@ training code reads `actor.clip_ratio_low` and never re-derives it. `validate` t
 values that are wrong in *every* run (not merely unusual): an infinite or NaN float anywhere,
 non-positive sizes, ratios outside their ranges, mini-batches that do not divide the batch, GRPO
 with one sample per prompt, ... and, last, the verl values nanokl cannot honour
-(config_verl.check_verl_keys).
-Each rejection is a one-line `ConfigError` naming the dotted key (config_io adds the file and
+(verl_keys.check_verl_keys).
+Each rejection is a one-line `ConfigError` naming the dotted key (yaml_io adds the file and
 line that set it). tests/test_config.py checks every rule against a config that breaks it.
 Both passes read the config only through its attributes: this module imports none of config.py.
 """
@@ -17,8 +17,8 @@ import difflib
 import math
 import os
 
-from nanokl.harness.config_io import ConfigError, get_key
-from nanokl.harness.config_verl import check_verl_keys
+from nanokl.harness.config.yaml_io import ConfigError, get_key
+from nanokl.harness.config.verl_keys import check_verl_keys
 from nanokl.harness.monitor import CHECKS, KNOBS
 
 
@@ -272,7 +272,7 @@ def _check_dapo_and_correction(cfg):
 
 
 def _check_finite(section, prefix=""):
-    """Every float of the config tree (lists of them included) finite. config_io refuses `.inf` and `.nan`
+    """Every float of the config tree (lists of them included) finite. yaml_io refuses `.inf` and `.nan`
     where a file or an argument sets them; this catches one set in code, or derived by `resolve`."""
     for f in dataclasses.fields(section):
         key, value = prefix + f.name, getattr(section, f.name)

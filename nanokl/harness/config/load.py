@@ -2,21 +2,21 @@
 the command line; saving.
 
     cfg = load_config("configs/presets/conservative.yaml", ["algorithm.kl_ctrl.target_kl=0.02"])
-      1. YAML files, following `defaults:` chains, deep-merged        (config_io.load_yaml_chain)
+      1. YAML files, following `defaults:` chains, deep-merged        (yaml_io.load_yaml_chain)
       2. `key.sub=value` overrides on top, with Hydra's `+key=value` (add a key not yet set),
-         `++key=value` (set) and `~key` (back to its default)          (config_io.apply_override)
-         then `${a.b}` in any value resolved against the merged tree  (config_io.interpolate)
-      3. keys and types checked against config.py's dataclasses      (config_build.build)
+         `++key=value` (set) and `~key` (back to its default)          (yaml_io.apply_override)
+         then `${a.b}` in any value resolved against the merged tree  (yaml_io.interpolate)
+      3. keys and types checked against config.py's dataclasses      (build.build)
       4. `resolve`: None -> derived defaults, then `validate`: impossible values rejected
-                                                                       (config_rules.py)
+                                                                       (config/rules.py)
 
 `parse_cli` is what every entry point (train_ppo.py, the SFT and reward-model scripts) calls on
 its argv: `--config PATH` and overrides. Without --config, `choose_base` picks the base: verl's
 defaults (the dataclasses) for a verl command, which gives data.train_files, else the CPU demo's
 configs/arith_tiny.yaml (DEFAULT_CONFIG). `save_config` writes a resolved config back as YAML.
 
-This module sits on top of the others: it imports config.py, config_io.py, config_build.py and
-config_rules.py, and none of them imports it.
+This module sits on top of the others: it imports config.py, config/yaml_io.py, config/build.py and
+config/rules.py, and none of them imports it.
 """
 
 import dataclasses
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import yaml
 
-from nanokl.harness.config import Config, TrainerConfig
-from nanokl.harness.config_build import all_keys, build, config_to_dict
-from nanokl.harness.config_io import ConfigError, apply_override, interpolate, load_yaml_chain
-from nanokl.harness.config_rules import resolve, validate
+from nanokl.harness.config.schema import Config, TrainerConfig
+from nanokl.harness.config.build import all_keys, build, config_to_dict
+from nanokl.harness.config.yaml_io import ConfigError, apply_override, interpolate, load_yaml_chain
+from nanokl.harness.config.rules import resolve, validate
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "arith_tiny.yaml"
 
 
 def load_config(path=None, overrides=()) -> Config:
@@ -48,7 +48,7 @@ def load_config(path=None, overrides=()) -> Config:
 
 
 def default_tree() -> dict:
-    """Every key's default as plain values, for `~key` and `${key}` (config_io). trainer.default_local_dir
+    """Every key's default as plain values, for `~key` and `${key}` (yaml_io). trainer.default_local_dir
     keeps its `${trainer.project_name}/${trainer.experiment_name}`, resolved against the run's own names."""
     tree = config_to_dict(Config())
     tree["trainer"]["default_local_dir"] = TrainerConfig.default_local_dir
@@ -85,7 +85,7 @@ def parse_cli(argv=None, default_path=DEFAULT_CONFIG) -> Config:
     path, base = choose_base(path, overrides, default_path)
     cfg = load_config(path, overrides)
     # the KL monitor on by default, neither the file(s) nor the command setting it: start-up says so, with how
-    # to turn it off or make it act (config_notes.startup_notes, printed by the trainer's setup)
+    # to turn it off or make it act (notes.startup_notes, printed by the trainer's setup)
     tree, defaults = ({} if path is None else load_yaml_chain(str(path))[0]), default_tree()
     for arg in overrides:  # as load_config merged them (it has refused any that fails)
         apply_override(tree, {}, arg, defaults)
@@ -109,7 +109,7 @@ def choose_base(path, overrides, default_path):
     path = default_path if path is None else path
     if path is None:
         return None, "the defaults"
-    shown, root = Path(path).resolve(), Path(__file__).resolve().parents[2]
+    shown, root = Path(path).resolve(), Path(__file__).resolve().parents[3]
     shown = shown.relative_to(root) if shown.is_relative_to(root) else path
     demo = default_path is not None and Path(path).resolve() == Path(default_path).resolve()
     return path, f"{shown}" + (" (the CPU demo)" if demo else "")
@@ -132,5 +132,5 @@ def save_config(cfg: Config, path) -> None:
     """Write `cfg` as YAML; `load_config(path)` gives back an equal Config."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        f.write("# nanokl config, resolved (written by nanokl.harness.config_load.save_config)\n")
+        f.write("# nanokl config, resolved (written by nanokl.harness.config.load.save_config)\n")
         yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=None)

@@ -1,10 +1,10 @@
 """From YAML files and `key=value` arguments to one merged tree of values, with one-line errors.
 
 `config.py` says *what* the knobs are; this file says *how* text becomes a tree of plain values
-(dicts, lists, scalars), and `config_build.py` how that tree becomes the typed dataclasses. It
+(dicts, lists, scalars), and `config/build.py` how that tree becomes the typed dataclasses. It
 knows nothing about PPO: every function here works on any nesting of mappings.
 
-The first two steps of `config_load.load_config`:
+The first two steps of `load.load_config`:
 
 1. `load_yaml_chain(path)` reads a YAML file. A top-level `defaults: [a.yaml, b.yaml]` list
    names files (relative to this one) to load first; later entries override earlier ones and

@@ -11,29 +11,29 @@ defaults; the runnable settings live in YAML files under `configs/`:
     configs/presets/aggressive.yaml    arith_tiny with a looser KL target
 
 This file holds the dataclasses only. verl keys for machinery nanokl does not have sit in
-`config_verl.py` (each section's base class there), and the nanokl-only sections (KL monitor,
-warm start, reward-model training, the KL loss's controller, the KL probe) in `config_nanokl.py`.
+`config/verl_keys.py` (each section's base class there), and the nanokl-only sections (KL monitor,
+warm start, reward-model training, the KL loss's controller, the KL probe) in `config/nanokl_keys.py`.
 Reading, checking and printing a config are the jobs of the other config_*.py files, none of
 which this one imports:
 
     cfg = load_config("configs/presets/conservative.yaml", ["algorithm.kl_ctrl.target_kl=0.02"])
-      1. YAML files, following `defaults:` chains, deep-merged        (config_io.load_yaml_chain)
+      1. YAML files, following `defaults:` chains, deep-merged        (yaml_io.load_yaml_chain)
       2. `key.sub=value` overrides on top (Hydra's +key, ++key, ~key too), then `${a.b}` resolved
-                                                                       (config_io.apply_override, interpolate)
-      3. keys and types checked against the dataclasses below         (config_build.build)
+                                                                       (yaml_io.apply_override, interpolate)
+      3. keys and types checked against the dataclasses below         (build.build)
       4. `resolve`: None -> derived defaults, then `validate`: impossible values rejected
-                                                                       (config_rules.py)
-    load_config, parse_cli (the command line), save_config            (config_load.py)
-    the start-up notes on verl keys nanokl handles otherwise         (config_notes.py)
+                                                                       (config/rules.py)
+    load_config, parse_cli (the command line), save_config            (config/load.py)
+    the start-up notes on verl keys nanokl handles otherwise         (config/notes.py)
 
 `python train_ppo.py` alone starts from configs/arith_tiny.yaml; a verl command (data.train_files
-given, no --config) from the dataclass defaults, i.e. verl's (config_load.parse_cli).
+given, no --config) from the dataclass defaults, i.e. verl's (load.parse_cli).
 
 Derived defaults. In verl, `clip_ratio_low: ${actor.clip_ratio}`-style interpolations fill
 some keys from others. Here such a key is `Optional` with a `None` default, and `resolve`
 fills it once, at load time, so that downstream code reads `actor.clip_ratio_low` and never
 re-derives it. After `resolve`, none of those keys is None (the list is `resolve`'s body,
-in config_rules.py).
+in config/rules.py).
 
 Batch sizes count what verl counts: `data.train_batch_size` and `ppo_mini_batch_size` count
 *prompts* (each sampled `rollout.n` times), `*_micro_batch_size_per_gpu` counts *responses*
@@ -47,12 +47,12 @@ each kind against the files themselves.
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional, Union
 
-from nanokl.harness.config_nanokl import (KLLossCtrlConfig, KLMonitorConfig, KLProbeConfig, RewardModelTrainConfig,
+from nanokl.harness.config.nanokl_keys import (KLLossCtrlConfig, KLMonitorConfig, KLProbeConfig, RewardModelTrainConfig,
                                          SFTConfig)
-from nanokl.harness.config_verl import *  # noqa: F403 (the Verl*Keys bases, FSDPConfig, ...: config_verl.__all__)
+from nanokl.harness.config.verl_keys import *  # noqa: F403 (the Verl*Keys bases, FSDPConfig, ...: verl_keys.__all__)
 
 # Names owned by a lesson module (a KL estimator, a loss aggregation, an advantage estimator, a
-# task) are typed `str` here; config_rules.validate checks them against the owner's list.
+# task) are typed `str` here; rules.validate checks them against the owner's list.
 Strategy = Literal["none", "ddp", "fsdp", "fsdp2"]  # nanokl has one plain, one DDP, one FSDP2 path; verl's fsdp -> fsdp2
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 
@@ -96,7 +96,7 @@ class ModelConfig(VerlModelKeys):
     enable_gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
     override_config: dict = field(default_factory=dict)  # entries replacing the checkpoint's config.json ones
     # log-probs and entropy of the actor and the reference chunk by chunk from the last hidden states, never the
-    # whole [tokens, vocab] logits in fp32 (nanokl/fused.py's chunked_log_probs, its own backward)
+    # whole [tokens, vocab] logits in fp32 (nanokl/engine/fused.py's chunked_log_probs, its own backward)
     use_fused_kernels: bool = False
     fused_chunk_size: int = 2048  # nanokl-only: tokens per chunk of those logits (fp32 chunk x vocab x 4 bytes)
 
@@ -146,7 +146,7 @@ class ActorConfig(VerlActorKeys):
     optim: OptimConfig = field(default_factory=OptimConfig)
     # nanokl-only: the KL loss's coefficient kl_loss_coef fixed (verl), or steered toward a target (kl_ctrl.py)
     kl_loss_ctrl: KLLossCtrlConfig = field(default_factory=KLLossCtrlConfig)
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (offload: nanokl/shard.py)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (offload: nanokl/engine/shard.py)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # verl's policy-loss choice: vanilla
 
 
@@ -157,7 +157,7 @@ class RefConfig(VerlRefKeys):
     log_prob_use_dynamic_bsz: bool = False  # micro-batch the reference forward by tokens
     log_prob_max_token_len_per_gpu: int = 16384  # that token budget, per GPU
     use_torch_compile: bool = True  # on CUDA, torch.compile each decoder layer of the reference
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (param_offload: nanokl/shard.py)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's FSDP settings (param_offload: nanokl/engine/shard.py)
 
 
 @dataclass
@@ -187,7 +187,7 @@ class RolloutConfig(VerlRolloutKeys):
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     name: Optional[str] = None  # verl's engine (vllm, sglang, hf; verl requires it): nanokl samples with its own
     tensor_model_parallel_size: int = 1  # GPUs per rollout replica (verl: 2); must divide the world size
-    gpu_memory_utilization: float = 0.5  # share of GPU memory the rollout's KV cache may fill (nanokl/graphs.py)
+    gpu_memory_utilization: float = 0.5  # share of GPU memory the rollout's KV cache may fill (nanokl/engine/graphs.py)
     enforce_eager: Optional[bool] = None  # verl's inverse of use_cuda_graph: set -> use_cuda_graph = not it
 
 
@@ -206,7 +206,7 @@ class CriticModelConfig(VerlCriticModelKeys):
     use_remove_padding: bool = False  # pack sequences without pad tokens
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     override_config: dict = field(default_factory=dict)  # entries replacing the checkpoint's config.json ones
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's path; offload: nanokl/shard.py
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  # verl's path; offload: nanokl/engine/shard.py
 
 
 @dataclass
@@ -377,7 +377,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
-    # verl's sections for machinery nanokl does not have (accepted with a note: config_notes.VERL_NOTES)
+    # verl's sections for machinery nanokl does not have (accepted with a note: notes.VERL_NOTES)
     reward_manager: dict = verl_section(source="register", name="naive")  # verl's newer home of reward_model.reward_manager
     global_profiler: dict = verl_section(tool=None)
     transfer_queue: dict = verl_section(enable=False)

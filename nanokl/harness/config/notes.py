@@ -1,19 +1,19 @@
 """What start-up prints about a config: a note per verl key nanokl handles otherwise, a warning
 per KL controller with nothing to steer.
 
-A verl command carries keys for machinery nanokl does not have; config_verl.py holds them as
+A verl command carries keys for machinery nanokl does not have; config/verl_keys.py holds them as
 fields, so that the command loads unchanged. Set to anything but verl's default, such a key
 changes nothing in nanokl's run, and silence would let the user believe it did: `startup_notes`
 gives its line of `VERL_NOTES` (what nanokl does instead), printed once, on rank 0, by
 harness/run.py's setup. A value nanokl cannot honour without changing the result is not noted
-but refused, by config_verl.check_verl_keys (part of config_rules.validate). "Not the default"
+but refused, by verl_keys.check_verl_keys (part of rules.validate). "Not the default"
 is measured against config.py's dataclasses, so this module, unlike the checks, reads `Config`.
 """
 
 import dataclasses
 
-from nanokl.harness.config import Config
-from nanokl.harness.config_io import get_key
+from nanokl.harness.config.schema import Config
+from nanokl.harness.config.yaml_io import get_key
 from nanokl.harness.profile import notes as profiler_notes
 
 _A, _R, _C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
@@ -24,14 +24,14 @@ _NO_HOOKS = "nanokl has no tracing hooks (timing_s/* times each stage; global_pr
 _PROFILER = ("nanokl's roles share one process: global_profiler.steps (or trainer.profile_steps) traces whole "
              "steps, every role in them, with torch.profiler (none without them, as in verl); of a role's profiler "
              "only ranks, all_ranks and tool_config.torch.contents count (nanokl/harness/profile.py)")
-_FSDP = ("nanokl/shard.py wraps each decoder block with FSDP2, fp32 master weights under bf16 autocast; "
+_FSDP = ("nanokl/engine/shard.py wraps each decoder block with FSDP2, fp32 master weights under bf16 autocast; "
          "only param_offload and optimizer_offload are its to set")
 _SP = "nanokl has no sequence parallelism: each GPU holds whole sequences (use_dynamic_bsz bounds memory)"
 _ENT = "nanokl's chunked kernel (use_fused_kernels) recomputes each chunk's logits in backward, always"
-_FUSED = "nanokl has no Liger or Triton kernels; use_fused_kernels chunks the log-probs in plain torch (nanokl/fused.py)"
+_FUSED = "nanokl has no Liger or Triton kernels; use_fused_kernels chunks the log-probs in plain torch (nanokl/engine/fused.py)"
 _CKPT = "nanokl's checkpoints hold the model, the optimizer and the trainer state, always, written synchronously"
 _VLLM = "nanokl's engine decodes each batch in lockstep; this vLLM scheduler setting has no counterpart"
-_WEIGHTS = "nanokl's rollout takes the actor's weights in place after each update (nanokl/shard.py)"
+_WEIGHTS = "nanokl's rollout takes the actor's weights in place after each update (nanokl/engine/shard.py)"
 _UNUSED = "used only with {} (refused)"
 
 # key -> what nanokl does instead. A key whose value differs from its default (for a dict: one of the
@@ -51,8 +51,8 @@ VERL_NOTES = {
     "data.tool_config_path": "nanokl's rollout is single-turn, without tools",
     **{f"{m}.{k}": v for m in (_ARR + "model", "critic.model") for k, v in {
         "use_shm": "nanokl loads the checkpoint from its path",
-        "trust_remote_code": "nanokl builds Qwen2/Llama-format models with its own code (nanokl/model.py)",
-        "external_lib": "nanokl builds Qwen2/Llama-format models with its own code (nanokl/model.py)",
+        "trust_remote_code": "nanokl builds Qwen2/Llama-format models with its own code (nanokl/engine/model.py)",
+        "external_lib": "nanokl builds Qwen2/Llama-format models with its own code (nanokl/engine/model.py)",
         "enable_activation_offload": "nanokl keeps activations on the GPU (enable_gradient_checkpointing saves memory)",
         "lora_alpha": _UNUSED.format("lora_rank > 0"), "target_modules": _UNUSED.format("lora_rank > 0"),
         "exclude_modules": _UNUSED.format("lora_rank > 0"), "tiled_mlp": "nanokl's MLP runs untiled",
@@ -141,12 +141,12 @@ def startup_notes(cfg) -> list[str]:
         if _differs(value, get_key(defaults, key)):
             lines.append(f"note: {key}={value!r}: {note}")
     lines += profiler_notes(cfg)  # global_profiler's keys that nanokl does otherwise (harness/profile.py)
-    lines += getattr(cfg, "resolve_notes", [])  # what config_rules.resolve set in verl's stead (GSPO's aggregation)
+    lines += getattr(cfg, "resolve_notes", [])  # what rules.resolve set in verl's stead (GSPO's aggregation)
     for m in (_ARR + "model", "critic.model"):
         if "attn_implementation" in get_key(cfg, m).override_config:
             lines.append(f"note: {m}.override_config.attn_implementation="
                          f"{get_key(cfg, m).override_config['attn_implementation']!r}: nanokl's attention is its own "
-                         f"(nanokl/attention.py): the setting picks no kernel")
+                         f"(nanokl/engine/attention.py): the setting picks no kernel")
     if getattr(cfg, "kl_monitor_by_default", False):  # on, and neither a config nor the command said so
         lines.append(monitor_note(cfg.trainer.kl_monitor))
     alg, a = cfg.algorithm, cfg.actor_rollout_ref.actor

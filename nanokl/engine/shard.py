@@ -1,6 +1,6 @@
 """The models across ranks: DDP replicas or FSDP2 shards, CPU offload, the rollout copy, checkpoints.
 
-The process group is nanokl/dist.py's; this module decides what each rank holds of each model
+The process group is nanokl/engine/dist.py's; this module decides what each rank holds of each model
 (`wrap`), and moves whole weights in and out of it. Without a process group every helper here is
 the identity. The strategies:
 
@@ -89,7 +89,7 @@ import weakref
 
 import torch
 
-from nanokl import dist
+from nanokl.engine import dist
 
 # torch.distributed.checkpoint, .device_mesh and .fsdp are imported where used: ~2 s that a plain run never needs
 

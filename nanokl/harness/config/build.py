@@ -1,7 +1,7 @@
 """From the merged tree of values to the typed dataclasses, and back: every key and type checked.
 
-Step 3 of `config_load.load_config` (steps 1 and 2, the YAML files and the `key=value` arguments,
-are config_io.py's). It knows nothing about PPO: every function here works on any tree of dataclasses.
+Step 3 of `load.load_config` (steps 1 and 2, the YAML files and the `key=value` arguments,
+are config/yaml_io.py's). It knows nothing about PPO: every function here works on any tree of dataclasses.
 
 `build(cls, tree, ...)` turns the merged dict into dataclasses, checking every key and type
 against the annotations: an unknown key names the closest valid ones, a wrong type names the
@@ -10,12 +10,12 @@ list -> a tuple field, and a string that spells a float -> float, because PyYAML
 1.1, in which `1e-6` (no dot) is a *string*. An infinite or NaN value (`.inf`, `.nan`, `inf`)
 is refused for every float key, whatever the key: none means it. `to_dict` goes back, to plain
 dicts, lists and scalars; `config_to_dict` is that for the whole Config (what
-`config_load.save_config` writes, what loggers and a checkpoint's run.json record). It is here,
-not in config_load.py, because harness/run_state.py records configs and is itself imported (via
-harness/reward_fn.py) by the task table that config_rules.validate checks data.task against:
-importing config_load there would close an import cycle.
+`load.save_config` writes, what loggers and a checkpoint's run.json record). It is here,
+not in config/load.py, because harness/run_state.py records configs and is itself imported (via
+harness/reward_fn.py) by the task table that rules.validate checks data.task against:
+importing load there would close an import cycle.
 
-Every error is config_io's one-line `ConfigError`, naming the full dotted key.
+Every error is yaml_io's one-line `ConfigError`, naming the full dotted key.
 """
 
 import copy
@@ -26,7 +26,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from nanokl.harness.config_io import ConfigError
+from nanokl.harness.config.yaml_io import ConfigError
 
 
 class NotFinite(ConfigError):

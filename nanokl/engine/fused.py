@@ -1,13 +1,13 @@
-"""Speed, not concept: the fused rollout copy of the decoder (nanokl/model.py), and log-probs and
+"""Speed, not concept: the fused rollout copy of the decoder (nanokl/engine/model.py), and log-probs and
 entropy from the last hidden state in chunks, never the whole [tokens, V] logits.
 
 Why it exists
 -------------
 A decode step reads every weight once and does little arithmetic, so on a GPU its time is the
-weight bytes plus the launch cost of each small kernel. A CUDA graph (nanokl/graphs.py) removes the
+weight bytes plus the launch cost of each small kernel. A CUDA graph (nanokl/engine/graphs.py) removes the
 CPU side of a launch, not the kernel count: fewer kernels per step is the remaining lever. The copy
 of the policy that only generates (CUDA: bf16 weights, refreshed from the actor after each update,
-nanokl/shard.py) is therefore fused in place by `fuse_for_rollout`. It computes what the model
+nanokl/engine/shard.py) is therefore fused in place by `fuse_for_rollout`. It computes what the model
 computes; only how many kernels it takes changes:
 
 - q|k|v in one matrix [(H + 2 n_kv) d, hidden] and gate|up in another [2 m, hidden]: one matmul
@@ -78,7 +78,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from nanokl import model as M
+from nanokl.engine import model as M
 
 
 def fuse_for_rollout(model: nn.Module):
