@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from nanokl.harness.config.yaml_io import UserError, run_cli
-from nanokl.harness.data import DataError, Located, _chat_prompt, where_of
+from nanokl.tasks.rows import DataError, Located, _chat_prompt, where_of
 from nanokl.harness.faults import check_writable
 from nanokl.harness.hf_format import from_pretrained, read_config
 from nanokl.rollout import generate

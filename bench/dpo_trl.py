@@ -26,7 +26,7 @@ EOS to the cut-off responses) and read in order. Both: the warm start, β, AdamW
 0.9/0.999, weight decay 0.01 on every weight, eps 1e-8) at a constant rate, 32 pairs per optimizer
 step (offline_dpo's mini-batch: 2 per step, 200 in 100 steps), gradient clip 1.0, fp32, 2 threads.
 Both are graded by nanokl's code: greedy accuracy on the config's 256 validation problems
-(scoring.validate), the on-policy KL probe (per-token k1 on fresh samples of the first 128 of them
+(scoring.evaluate), the on-policy KL probe (per-token k1 on fresh samples of the first 128 of them
 at temperature 1), and the pair accuracy (chosen implicit reward above rejected) on the training
 pairs and on the held-out rankings (rm_data/val.jsonl, every implied pair).
 
@@ -58,7 +58,9 @@ from nanokl.harness.data import batch_indices, build_prompts  # noqa: E402
 from nanokl.harness.hf_format import from_pretrained  # noqa: E402
 from nanokl.harness.logged import draw_responses, logged_batch, read_logged  # noqa: E402
 from nanokl.harness.run import setup  # noqa: E402
-from nanokl.harness.scoring import on_policy_kl, validate  # noqa: E402
+from nanokl.supervised.stages import train_missing_stages  # noqa: E402
+from nanokl.harness import scoring  # noqa: E402
+from nanokl.harness.scoring import on_policy_kl  # noqa: E402
 from nanokl.harness.tokenizer import load_tokenizer  # noqa: E402
 from nanokl.ppo import logprobs_from_logits  # noqa: E402
 from nanokl.supervised.preference_data import preference_key, read_preferences  # noqa: E402
@@ -182,7 +184,7 @@ def nanokl_loss_grad(pol, ref, batch, beta, loss_type, length_mean):
     names = [n for n, _ in pol.named_parameters()]
     if not length_mean:
         opt = Recorder(pol.parameters())
-        a = argparse.Namespace(loss_mode={"sigmoid": "dpo", "ipo": "ipo"}[loss_type], ppo_epochs=1, grad_clip=1e30)
+        a = argparse.Namespace(objective={"sigmoid": "dpo", "ipo": "ipo"}[loss_type], ppo_epochs=1, grad_clip=1e30)
         m = dpo.update_policy(pol, opt, batch, a, 1.0, mini_size=len(batch["responses"]), spec=Batching(), beta=beta)
         return m["actor/dpo_loss"][0], dict(zip(names, opt.seen))
     mask = batch["response_mask"]
@@ -302,7 +304,7 @@ def analyse(model, ref, tok, cfg, data, beta):
         per[k] = {"pairs": int(sel.sum()), "chosen": float(delta[sel, 0].mean()), "rejected": float(delta[sel, 1].mean()),
                   "acc": float((h[sel] > 0).float().mean()), "weight_share": float(w[sel].sum() / w.sum())}
     samples = []
-    validate(model, tok, data["val"], cfg, torch.device("cpu"), samples=samples)
+    scoring.evaluate(model, tok, data["val"], cfg, torch.device("cpu"), samples=samples)
     texts = [s[1] for s in samples]
     shape = {"graded": sum("####" in t for t in texts) / len(texts),
              "answer_format": sum("Answer:" in t for t in texts) / len(texts),
@@ -311,7 +313,7 @@ def analyse(model, ref, tok, cfg, data, beta):
 
 
 def evaluate(model, ref, tok, cfg, data, beta, full):
-    row = {"acc_val": validate(model, tok, data["val"], cfg, torch.device("cpu"))[ACC]}
+    row = {"acc_val": scoring.evaluate(model, tok, data["val"], cfg, torch.device("cpu"))[ACC]}
     if full:
         probe = copy.deepcopy(cfg)
         probe.trainer.val_kl_prompts, probe.algorithm.kl_penalty = 128, "kl"
@@ -325,7 +327,7 @@ def evaluate(model, ref, tok, cfg, data, beta, full):
 
 def race_nanokl(args, beta, seed, data):
     cfg = config(beta, args.steps)
-    run = setup(cfg)
+    run = setup(cfg, stages=train_missing_stages)
     torch.set_num_threads(args.threads)
     d = cfg.data
 

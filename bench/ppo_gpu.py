@@ -331,7 +331,7 @@ def write_summary(out, new):
 def train(argv, args, out, overrides, label):
     """train_ppo.main's loop, keeping the Run and each step's metrics. summary.json gets the unprofiled
     steps' figures before the profiled step (the last) starts, then the profile. Returns (run, rows)."""
-    run = train_ppo.setup(train_ppo.parse_cli(argv))
+    run = train_ppo.setup(train_ppo.parse_cli(argv), stages=train_ppo.train_missing_stages)
     t_setup = time.monotonic() - T0
     cuda = run.device.type == "cuda"
     profile = args.profile == "on" or (args.profile == "auto" and cuda)

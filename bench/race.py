@@ -18,7 +18,7 @@ The same for both sides:
   holds generation, scoring, the forwards, backward and the optimizer step; nanokl: train_ppo.ppo_step).
   Setup, the warm start and every evaluation are off the clock. 2 threads each, one after the other;
 - evaluation, every `--every` seconds of clock and at 1x and 2x the budget, with nanokl's own
-  code for both: greedy accuracy (scoring.validate) on two held-out sets, and the on-policy KL
+  code for both: greedy accuracy (scoring.evaluate) on two held-out sets, and the on-policy KL
   probe (scoring.on_policy_kl: per-token k1 on fresh samples at temperature 1, against the warm
   start) on the first `--kl-prompts` test prompts. TRL's weights are copied into a nanokl model
   first (the state-dict names are the same).
@@ -52,8 +52,10 @@ import train_ppo  # noqa: E402
 from nanokl.harness.config.load import load_config  # noqa: E402
 from nanokl.harness.hf_format import from_pretrained  # noqa: E402
 from nanokl.harness.run import setup  # noqa: E402
+from nanokl.supervised.stages import train_missing_stages  # noqa: E402
 from nanokl.harness.data import build_prompts  # noqa: E402
-from nanokl.harness.scoring import on_policy_kl, validate  # noqa: E402
+from nanokl.harness import scoring  # noqa: E402
+from nanokl.harness.scoring import on_policy_kl  # noqa: E402
 from nanokl.rollout import generate  # noqa: E402
 from nanokl.tasks import TASKS  # noqa: E402
 
@@ -105,7 +107,7 @@ def evaluate(model, ref, tok, cfg, sets, kl_prompts, device):
     """Greedy accuracy on each held-out set and the on-policy KL probe; off the clock."""
     row = {}
     for name, examples in sets.items():
-        row[f"acc_{name}"] = validate(model, tok, examples, cfg, device)[ACC]
+        row[f"acc_{name}"] = scoring.evaluate(model, tok, examples, cfg, device)[ACC]
     probe = copy.deepcopy(cfg)
     probe.trainer.val_kl_prompts, probe.algorithm.kl_penalty = kl_prompts, "kl"
     probe.actor_rollout_ref.rollout.temperature = 1.0
@@ -148,7 +150,7 @@ def train_kl(metrics):
 
 def race_nanokl(args, label, overrides, seed, sets):
     cfg = base_config(args, [f"trainer.seed={seed}", *overrides])
-    run = setup(cfg)
+    run = setup(cfg, stages=train_missing_stages)
     torch.set_num_threads(args.threads)
     clock, curve, kls, step = Clock(args.budget, args.horizon, args.every), [], [], 0
 
@@ -387,7 +389,7 @@ def run_all(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, sets = held_out(args)
-    setup(copy.deepcopy(cfg))  # trains the warm start if it is missing, before any clock starts
+    setup(copy.deepcopy(cfg), stages=train_missing_stages)  # trains the warm start if it is missing, before any clock starts
     have_trl = not args.no_trl
     if have_trl:
         try:

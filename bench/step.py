@@ -61,6 +61,7 @@ import train_ppo  # noqa: E402
 from nanokl.harness.config.load import load_config  # noqa: E402
 from nanokl.harness.hf_format import save_pretrained  # noqa: E402
 from nanokl.harness.run import setup  # noqa: E402
+from nanokl.supervised.stages import train_missing_stages  # noqa: E402
 from nanokl.harness.tokenizer import train_tokenizer  # noqa: E402
 from nanokl.engine.model import CausalLM, ModelConfig, init_weights  # noqa: E402
 from nanokl.tasks import TASKS  # noqa: E402
@@ -115,7 +116,7 @@ def nanokl_run(path, run_dir, threads, overrides=()):
         f"actor_rollout_ref.actor.kl_loss_coef={BETA}", f"actor_rollout_ref.actor.optim.lr={LR}",
         "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.rollout.temperature=1.0",
         "algorithm.use_kl_in_reward=false", *overrides])
-    run = setup(cfg)
+    run = setup(cfg, stages=train_missing_stages)
     run.tok.eos_token_ids = []  # EOS never ends a response: exactly NEW tokens, like TRL's min_new_tokens
     torch.set_num_threads(threads)
     return run

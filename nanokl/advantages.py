@@ -1,4 +1,5 @@
-"""Advantages: which tokens deserve more probability? GAE (with a critic), and six estimators without.
+"""Advantages: which tokens deserve more probability? GAE (with a critic), and six estimators
+without.
 
 Every estimator turns the per-token rewards of a batch of responses into per-token advantages
 (what the policy loss pushes on) and returns (what the critic regresses on, when there is one).
@@ -8,15 +9,20 @@ critic, whether it groups responses by prompt and whether it needs a greedy base
 train_ppo.py and the config read only that table, so a new estimator is one function and one
 table entry here, plus its test.
 
-| adv_estimator                | baseline                          | whitened     | costs beyond the rollout |
-|------------------------------|-----------------------------------|--------------|--------------------------|
-| gae                          | a learned critic V(s_t)           | batch tokens | a critic (forward + update) |
-| grpo                         | group mean (÷ group std)          | no           | rollout.n ≥ 2            |
-| rloo                         | mean of the group's other scores  | no           | rollout.n ≥ 2            |
-| reinforce_plus_plus          | none: whitening centres           | batch tokens | nothing                  |
-| reinforce_plus_plus_baseline | group mean                        | batch tokens | rollout.n ≥ 2            |
-| remax                        | the greedy response's score       | no           | a 2nd (greedy) rollout per step |
-| grpo_passk                   | the group's second-best score     | no           | rollout.n ≥ 2            |
+| adv_estimator                | baseline                 | whitened     | costs beyond         |
+|                              |                          |              | the rollout          |
+|------------------------------|--------------------------|--------------|----------------------|
+| gae                          | a learned critic V(s_t)  | batch tokens | a critic             |
+|                              |                          |              | (forward + update)   |
+| grpo                         | group mean (÷ group std) | no           | rollout.n ≥ 2        |
+| rloo                         | mean of the group's      | no           | rollout.n ≥ 2        |
+|                              | other scores             |              |                      |
+| reinforce_plus_plus          | none: whitening centres  | batch tokens | nothing              |
+| reinforce_plus_plus_baseline | group mean               | batch tokens | rollout.n ≥ 2        |
+| remax                        | the greedy response's    | no           | a 2nd (greedy)       |
+|                              | score                    |              | rollout per step     |
+| grpo_passk                   | the group's second-best  | no           | rollout.n ≥ 2        |
+|                              | score                    |              |                      |
 
 Each mirrors verl's function of the same name (compute_<name>_advantage_return or
 compute_<name>_outcome_advantage, verl/trainer/ppo/core_algos.py). Outcome estimators score a
@@ -146,14 +152,15 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
 
 
 def sequence_scores(token_level_rewards, response_mask):
-    """Each response's score Σ_t r_t over its real tokens, [batch] (selected: nothing under the mask counts)."""
+    """Each response's score Σ_t r_t over its real tokens, [batch] (selected: nothing under the
+    mask counts)."""
     return masked_sum(token_level_rewards, response_mask, dim=-1)
 
 
 def whitened(x, response_mask, whiten_stats=None):
-    """x whitened with the moments of its real tokens, summed over ranks by `whiten_stats` (None: this
-    batch's own); all zeros when the whole batch has fewer than 2 real tokens (rejection, rollout_rs, can
-    leave that few): nothing to whiten, no signal."""
+    """x whitened with the moments of its real tokens, summed over ranks by `whiten_stats` (None:
+    this batch's own); all zeros when the whole batch has fewer than 2 real tokens (rejection,
+    rollout_rs, can leave that few): nothing to whiten, no signal."""
     stats = masked_moments(x, response_mask)
     if whiten_stats is not None:
         stats = whiten_stats(stats)
@@ -168,8 +175,8 @@ def whiten_real_tokens(x, response_mask, whiten_stats=None):
 
 
 def group_stats(index, scores):
-    """Per prompt group: (the group number of each row [N], the group's size [G], the sum of its scores
-    [G]), from one hashable prompt id per row (a list, numpy array or tensor). Every outcome
+    """Per prompt group: (the group number of each row [N], the group's size [G], the sum of its
+    scores [G]), from one hashable prompt id per row (a list, numpy array or tensor). Every outcome
     estimator's baseline is made of these."""
     keys = index.tolist() if hasattr(index, "tolist") else list(index)
     if len(keys) != scores.shape[0]:
@@ -190,7 +197,8 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
     score_mask: the tokens whose rewards sum to each score (the rollout's mask, before rejection);
         None: response_mask. The advantages sit on response_mask's tokens.
     """
-    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
+    scores = sequence_scores(token_level_rewards,
+                             response_mask if score_mask is None else score_mask)
     gid, count, total = group_stats(index, scores)
     mean = total / count
     sq_dev = torch.zeros_like(count).index_add(0, gid, (scores - mean[gid]) ** 2)
@@ -210,9 +218,10 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
 @torch.no_grad()
 def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, score_mask=None):
     """RLOO advantages [batch, response_len]: score minus the mean score of the other responses to
-    the same prompt (`index`: one id per row); a lone response keeps its score. returns == advantages.
-    score_mask: as in GRPO."""
-    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
+    the same prompt (`index`: one id per row); a lone response keeps its score.
+    returns == advantages. score_mask: as in GRPO."""
+    scores = sequence_scores(token_level_rewards,
+                             response_mask if score_mask is None else score_mask)
     gid, count, total = group_stats(index, scores)
     count, total = count[gid], total[gid]
     others_mean = (total - scores) / (count - 1).clamp(min=1)
@@ -222,9 +231,11 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, sc
 
 
 @torch.no_grad()
-def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma, whiten_stats=None):
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma,
+                                                  whiten_stats=None):
     """REINFORCE++: returns-to-go G_t = r_t + γ G_{t+1} over the real tokens (a masked position
-    carries G through), and advantages = G whitened over the real tokens; both [batch, response_len]."""
+    carries G through), and advantages = G whitened over the real tokens; both
+    [batch, response_len]."""
     mask = response_mask.bool()
     rewards = zero_masked(token_level_rewards, mask)
     returns = torch.zeros_like(rewards)
@@ -237,12 +248,14 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_
 
 
 @torch.no_grad()
-def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
-                                                           whiten_stats=None, score_mask=None):
+def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask,
+                                                           index, whiten_stats=None,
+                                                           score_mask=None):
     """REINFORCE++-baseline: (score − its group's mean; a lone response keeps its score) on every
     real token, whitened over the real tokens. returns == advantages. score_mask: as in GRPO (the
     whitening reads response_mask)."""
-    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
+    scores = sequence_scores(token_level_rewards,
+                             response_mask if score_mask is None else score_mask)
     gid, count, total = group_stats(index, scores)
     mean = torch.where(count > 1, total / count, 0.0)
     centred = (scores - mean[gid]).unsqueeze(-1).expand(response_mask.shape)
@@ -252,24 +265,28 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, 
 
 @torch.no_grad()
 def compute_remax_outcome_advantage(token_level_rewards, response_mask, baselines):
-    """ReMax: returns G_t = Σ_{t'≥t} r_t' over the real tokens (no discount) and advantages G_t − b,
-    with b = `baselines` [batch], the score of the greedy response to the row's prompt."""
+    """ReMax: returns G_t = Σ_{t'≥t} r_t' over the real tokens (no discount) and advantages
+    G_t − b, with b = `baselines` [batch], the score of the greedy response to the row's
+    prompt."""
     if baselines is None:
-        raise ValueError("remax needs `baselines`: the scores of a greedy rollout of each row's prompt")
+        raise ValueError("remax needs `baselines`: the scores of a greedy rollout "
+                         "of each row's prompt")
     mask = response_mask.bool()
     returns = zero_masked(zero_masked(token_level_rewards, mask).flip(-1).cumsum(-1).flip(-1), mask)
     b = torch.as_tensor(baselines, dtype=returns.dtype, device=returns.device)
     if b.shape != returns.shape[:1]:
-        raise ValueError(f"remax needs one baseline per response: {tuple(b.shape)} for {returns.shape[0]} responses")
+        raise ValueError(f"remax needs one baseline per response: {tuple(b.shape)} for "
+                         f"{returns.shape[0]} responses")
     return zero_masked(returns - b.unsqueeze(-1), mask), returns
 
 
 @torch.no_grad()
-def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index, norm_adv_by_std=True,
-                                         eps=1e-6, score_mask=None):
+def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index,
+                                         norm_adv_by_std=True, eps=1e-6, score_mask=None):
     """GRPO pass@k: the best response of each group gets r_max − r_second (÷ (std + eps) with
     norm_adv_by_std, unbiased std), the others 0. returns == advantages. score_mask: as in GRPO."""
-    scores = sequence_scores(token_level_rewards, response_mask if score_mask is None else score_mask)
+    scores = sequence_scores(token_level_rewards,
+                             response_mask if score_mask is None else score_mask)
     gid, count, _ = group_stats(index, scores)
     adv = torch.zeros_like(scores)
     for g in range(len(count)):
@@ -284,46 +301,49 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, ind
     return advantages, advantages
 
 
-def compute_advantage(name, token_level_rewards, response_mask, values, index, alg, whiten_stats=None,
-                      baselines=None, score_mask=None):
-    """verl's compute_advantage: (advantages, returns) by the estimator `name` (algorithm.adv_estimator),
-    each given what it reads. response_mask: the tokens the advantages (and GAE, REINFORCE++, ReMax) run
-    over, after rejection; values: the critic's [N, R] (gae); index: the prompt id of each row; alg: the
-    config's `algorithm` section (gamma, lam, norm_adv_by_std_in_grpo); whiten_stats: the cross-rank moment
-    reduction; baselines: [N], the score of a greedy response to each row's prompt (remax); score_mask: the
-    rollout's mask, whose tokens' rewards sum to each score in the outcome estimators ('Two masks')."""
+def compute_advantage(name, token_level_rewards, response_mask, values, index, alg,
+                      whiten_stats=None, baselines=None, score_mask=None):
+    """verl's compute_advantage: (advantages, returns) by the estimator `name`
+    (algorithm.adv_estimator), each given what it reads. response_mask: the tokens the advantages
+    (and GAE, REINFORCE++, ReMax) run over, after rejection; values: the critic's [N, R] (gae);
+    index: the prompt id of each row; alg: the config's `algorithm` section (gamma, lam,
+    norm_adv_by_std_in_grpo); whiten_stats: the cross-rank moment reduction; baselines: [N], the
+    score of a greedy response to each row's prompt (remax); score_mask: the rollout's mask, whose
+    tokens' rewards sum to each score in the outcome estimators ('Two masks')."""
     if name == "gae":
-        return compute_gae_advantage_return(token_level_rewards, values, response_mask, alg.gamma, alg.lam,
-                                            whiten_stats)
+        return compute_gae_advantage_return(token_level_rewards, values, response_mask, alg.gamma,
+                                            alg.lam, whiten_stats)
     if name == "grpo":
-        return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, alg.norm_adv_by_std_in_grpo,
-                                              score_mask=score_mask)
+        return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
+                                              alg.norm_adv_by_std_in_grpo, score_mask=score_mask)
     if name == "rloo":
         return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, score_mask)
     if name == "reinforce_plus_plus":
-        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, alg.gamma,
-                                                             whiten_stats)
+        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask,
+                                                             alg.gamma, whiten_stats)
     if name == "reinforce_plus_plus_baseline":
-        return compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index,
-                                                                      whiten_stats, score_mask)
+        return compute_reinforce_plus_plus_baseline_outcome_advantage(
+            token_level_rewards, response_mask, index, whiten_stats, score_mask)
     if name == "remax":
         return compute_remax_outcome_advantage(token_level_rewards, response_mask, baselines)
     if name == "grpo_passk":
         return compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index,
-                                                    alg.norm_adv_by_std_in_grpo, score_mask=score_mask)
+                                                    alg.norm_adv_by_std_in_grpo,
+                                                    score_mask=score_mask)
     raise ValueError(f"unknown adv_estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
 
 
 class Estimator(NamedTuple):
-    """What the rest of the run must know of an estimator: whether it needs a critic; whether it compares
-    the responses to one prompt (then rollout.n > 1 and a prompt's responses stay on one rank); whether
-    the step must roll out greedily for its `baselines`."""
+    """What the rest of the run must know of an estimator: whether it needs a critic; whether it
+    compares the responses to one prompt (then rollout.n > 1 and a prompt's responses stay on one
+    rank); whether the step must roll out greedily for its `baselines`."""
     needs_critic: bool
     grouped: bool
     needs_greedy_baseline: bool = False
 
 
-ESTIMATORS = {  # the names compute_advantage knows (the config validates algorithm.adv_estimator against them)
+# the names compute_advantage knows (the config validates algorithm.adv_estimator against them)
+ESTIMATORS = {
     "gae": Estimator(needs_critic=True, grouped=False),
     "grpo": Estimator(needs_critic=False, grouped=True),
     "rloo": Estimator(needs_critic=False, grouped=True),

@@ -27,7 +27,8 @@ we log its sum over pairs for the chosen and the rejected responses, their diffe
 accuracy*). Log π(y) is a sequence log-prob: the sum over response tokens of the per-token
 log-probs, from logits divided by the sampling temperature as everywhere in nanokl.
 
-The gradient. With d/dz(−log σ(z)) = −σ(−z) and ∂h/∂log π(y_w) = 1, ∂h/∂log π(y_l) = −1:
+The gradient. With d/dz(−log σ(z)) = −σ(−z) and ∂h/∂log π(y_w) = 1,
+∂h/∂log π(y_l) = −1:
 
     ∇L = −β σ(−β h) (∇log π(y_w) − ∇log π(y_l)).
 
@@ -61,7 +62,8 @@ DPO_LOSSES = ("sigmoid", "ipo")
 
 
 def sequence_log_probs(token_log_probs, response_mask):
-    """[N, R] per-token log-probs -> [N] sums over the response tokens (masked entries never leak)."""
+    """[N, R] per-token log-probs -> [N] sums over the response tokens (masked entries never
+    leak)."""
     return masked_sum(token_log_probs, response_mask, dim=-1)
 
 
@@ -93,13 +95,15 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, los
 
 
 def update_policy(actor, opt, batch, a, temperature, *, mini_size, spec, generator=None, beta):
-    """DPO's update on logged pairs: `a.ppo_epochs` passes in mini-batches of `mini_size` responses,
-    the loss `a.loss_mode` ("dpo": sigmoid, "ipo"), rows 2k and 2k+1 the (chosen, rejected) responses
-    of one prompt; a micro-batch holds whole pairs (rules). The batch needs ref_log_probs;
-    `beta` is the KL coefficient (algorithm.kl_ctrl). Returns lists of per-mini-batch metrics."""
-    loss_type = {"dpo": "sigmoid", "ipo": "ipo"}[a.loss_mode]
+    """DPO's update on logged pairs: `a.ppo_epochs` passes in mini-batches of `mini_size`
+    responses, the loss `a.objective` ("dpo": sigmoid, "ipo"), rows 2k and 2k+1 the (chosen,
+    rejected) responses of one prompt; a micro-batch holds whole pairs (rules). The batch needs
+    ref_log_probs; `beta` is the KL coefficient (algorithm.kl_ctrl). Returns lists of
+    per-mini-batch metrics."""
+    loss_type = {"dpo": "sigmoid", "ipo": "ipo"}[a.objective]
 
-    def micro_loss(mb, inputs, norm):  # norm: the mini-batch's responses over all ranks: a mean over pairs
+    # norm: the mini-batch's responses over all ranks: a mean over pairs
+    def micro_loss(mb, inputs, norm):
         mask = mb["response_mask"]
         with autocast(mask.device):
             logits = response_logits(actor, mb, temperature, spec.packed, inputs=inputs)
@@ -111,5 +115,5 @@ def update_policy(actor, opt, batch, a, temperature, *, mini_size, spec, generat
         sums = {f"actor/{k.replace('/', '_')}": v / pairs for k, v in m.items()}
         return loss, {"actor/dpo_loss": loss.detach(), **sums}, {}
 
-    return ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, False, a.grad_clip, "seq-mean-token-sum",
-                      micro_loss, "actor", generator)
+    return ppo_epochs(actor, opt, batch, mini_size, spec, a.ppo_epochs, False, a.grad_clip,
+                      "seq-mean-token-sum", micro_loss, "actor", generator)

@@ -1,4 +1,5 @@
-"""The forwards before the update: log-probs, values and the exact KL, micro-batched, without gradients.
+"""The forwards before the update: log-probs, values and the exact KL, micro-batched, without
+gradients.
 
 After rollout, a PPO step runs a few forwards over a batch of sequences `[prompt | response]`
 before its update (train_ppo.py's step 3; verl's dp_actor.py / dp_critic.py):
@@ -32,11 +33,11 @@ chunk x V fp32 whatever the micro-batch, and the micro-batch can be sized by the
 (bench/memory.py).
 
 The exact KL (kind `full`, nanokl/kl.py) needs both models' whole next-token distributions, so it
-keeps the logits: the reference runs on the same micro-batch and the two [n, R, V] logits are reduced
-to [n, R] before the next micro-batch starts (`compute_full_kl` for the reward; nanokl/workers.py's
-`exact_kl_loss` for the loss, the gradient through the policy's logits only). Its memory is linear in
-the micro-batch's mb·R, so a smaller micro-batch (or token budget) is the knob (bench/RESULTS.md, "The
-exact KL's memory").
+keeps the logits: the reference runs on the same micro-batch and the two [n, R, V] logits are
+reduced to [n, R] before the next micro-batch starts (`compute_full_kl` for the reward;
+nanokl/workers.py's `exact_kl_loss` for the loss, the gradient through the policy's logits only).
+Its memory is linear in the micro-batch's mb·R, so a smaller micro-batch (or token budget) is the
+knob (bench/RESULTS.md, "The exact KL's memory").
 """
 
 import contextlib
@@ -67,16 +68,19 @@ def autocast(device):
 def rollout_batch(out) -> dict:
     """The training batch of a rollout (or of logged responses in a rollout's layout): the tensors
     every forward reads. The step adds old/ref log-probs, values, weights and advantages to it."""
-    return {"sequences": out.sequences, "attention_mask": out.attention_mask, "position_ids": out.position_ids,
-            "responses": out.responses, "response_mask": out.response_mask}
+    return {"sequences": out.sequences, "attention_mask": out.attention_mask,
+            "position_ids": out.position_ids, "responses": out.responses,
+            "response_mask": out.response_mask}
 
 
 def _inputs(mb, packed, inputs):
-    """A micro-batch's model inputs: the loops pass the ones they built (nanokl/engine/batching.py); a caller
-    outside them (a test, a benchmark) gets them built here, reading the mask from the device."""
+    """A micro-batch's model inputs: the loops pass the ones they built (nanokl/engine/batching.py);
+    a caller outside them (a test, a benchmark) gets them built here, reading the mask from the
+    device."""
     if inputs is not None:
         return inputs
-    return micro_batch(mb, list(range(len(mb["responses"]))), Batching(packed=packed), host_mask(mb))[1]
+    return micro_batch(mb, list(range(len(mb["responses"]))), Batching(packed=packed),
+                       host_mask(mb))[1]
 
 
 def response_logits(model, mb, temperature, packed=False, inputs=None):
@@ -89,19 +93,22 @@ def response_logits(model, mb, temperature, packed=False, inputs=None):
 
 
 def response_log_probs(model, mb, temperature, spec, inputs=None, with_entropy=False):
-    """(log π of each response token [n, R], the entropy at each position [n, R] or None, the logits
-    [n, R, V] or None), fp32 at `temperature`. With `spec.chunk` the LM head runs chunk by chunk from the
-    hidden states (nanokl/engine/fused.py): no logits are returned, since none ever existed whole."""
+    """(log π of each response token [n, R], the entropy at each position [n, R] or None, the
+    logits [n, R, V] or None), fp32 at `temperature`. With `spec.chunk` the LM head runs chunk by
+    chunk from the hidden states (nanokl/engine/fused.py): no logits are returned, since none ever
+    existed whole."""
     inputs = _inputs(mb, spec.packed, inputs)
     labels = mb["responses"]
     if spec.chunk:
-        def head(h, weight):  # the kept positions' hidden states: [n, R + 1, H] padded, [1, n R, H] packed
+        # the kept positions' hidden states: [n, R + 1, H] padded, [1, n R, H] packed
+        def head(h, weight):
             h = h[:, :-1] if inputs.index is None else h.view(*labels.shape, -1)
             return chunked_log_probs(h, weight, labels, temperature, spec.chunk, with_entropy)
         logp, entropy = model(*inputs.args, logits_to_keep=inputs.keep, lay=inputs.lay, head=head)
         return logp, entropy, None
     logits = response_logits(model, mb, temperature, inputs=inputs)
-    return logprobs_from_logits(logits, labels), entropy_from_logits(logits) if with_entropy else None, logits
+    return (logprobs_from_logits(logits, labels),
+            entropy_from_logits(logits) if with_entropy else None, logits)
 
 
 def critic_values(critic, mb, inputs):
@@ -118,13 +125,13 @@ def rollout_log_probs_are_old(mode, same_numerics, do_sample, temperature) -> bo
     (verl's `algorithm.rollout_correction.bypass_mode`): `mode` is True, False or "auto".
 
     "auto" is on only when the two are the same numbers up to float error: the sampler is the actor
-    itself at the same precision (`same_numerics`: on CPU the rollout runs the fp32 actor; a bf16 copy
-    on CUDA differs by bf16 rounding, so there the actor recomputes), and the rollout recorded its
-    log-probs at the training temperature (a greedy rollout records temperature 1). top-k/top-p do
-    not matter: the recorded log-prob is taken before filtering, as training's is (nanokl/rollout.py).
-    True takes them whenever they are at the training temperature, even from a bf16 copy: PPO then
-    anchors its ratio on the policy that really sampled (verl's bypass); rules refuses True
-    where they are not."""
+    itself at the same precision (`same_numerics`: on CPU the rollout runs the fp32 actor; a bf16
+    copy on CUDA differs by bf16 rounding, so there the actor recomputes), and the rollout recorded
+    its log-probs at the training temperature (a greedy rollout records temperature 1). top-k/top-p
+    do not matter: the recorded log-prob is taken before filtering, as training's is
+    (nanokl/rollout.py). True takes them whenever they are at the training temperature, even from a
+    bf16 copy: PPO then anchors its ratio on the policy that really sampled (verl's bypass); rules
+    refuses True where they are not."""
     at_training_temperature = (do_sample and temperature > 0) or temperature == 1
     if mode == "auto":
         return same_numerics and at_training_temperature
@@ -132,10 +139,12 @@ def rollout_log_probs_are_old(mode, same_numerics, do_sample, temperature) -> bo
 
 
 def forward_micro_batches(batch, spec):
-    """(micro-batch, its model inputs) of each non-empty micro-batch of a no-grad forward pass, as many
-    as every rank runs (nanokl/engine/batching.py); the mask is read from the device once, here, before the loop."""
+    """(micro-batch, its model inputs) of each non-empty micro-batch of a no-grad forward pass, as
+    many as every rank runs (nanokl/engine/batching.py); the mask is read from the device once,
+    here, before the loop."""
     host = host_mask(batch)
-    for mb, inputs, _ in agreed_micro_batches(batch, None, spec, host, dist.agreed_count, skip_empty=True):
+    for mb, inputs, _ in agreed_micro_batches(batch, None, spec, host, dist.agreed_count,
+                                              skip_empty=True):
         yield mb, inputs
 
 
@@ -152,7 +161,8 @@ def compute_log_probs(model, batch, temperature, spec=Batching(), with_entropy=F
         logp[inputs.rows] = lp
         if with_entropy:
             ent[inputs.rows] = e
-        del logits, lp, e  # else the [n, R, V] logits stay alive through the next micro-batch's forward
+        # else the [n, R, V] logits stay alive through the next micro-batch's forward
+        del logits, lp, e
     return logp, ent
 
 
@@ -172,7 +182,8 @@ def compute_full_kl(actor, ref, batch, temperature, spec=Batching()):
         with autocast(mask.device):
             logits = response_logits(actor, mb, temperature, inputs=inputs)
             ref_logits = response_logits(ref, mb, temperature, inputs=inputs)
-        out[inputs.rows] = zero_masked(kl_penalty(None, None, "full", logits, ref_logits), mb["response_mask"])
+        out[inputs.rows] = zero_masked(kl_penalty(None, None, "full", logits, ref_logits),
+                                       mb["response_mask"])
         del logits, ref_logits  # else they stay alive through the next micro-batch's forwards
     return out
 

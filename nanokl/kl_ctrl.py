@@ -88,7 +88,7 @@ def target_at(schedule, fraction: float, interp: str = "step") -> float:
 class FixedKLController:
     """β stays at kl_coef; `update` is a no-op so the training loop needs no special case.
     Differs from verl: see README, 'Where nanokl differs from verl'."""
-    kind = "fixed"
+    type = "fixed"
 
     def __init__(self, kl_coef: float):
         if kl_coef < 0:
@@ -98,11 +98,15 @@ class FixedKLController:
     def update(self, current_kl, n_steps) -> None:
         pass
 
+    def set_value(self, value: float) -> None:
+        """β set from outside the rule (the KL monitor's remedies, nanokl/harness/remedies.py)."""
+        self.value = float(value)
+
     def follow(self, fraction: float) -> None:
         pass
 
     def state_dict(self) -> dict:
-        return {"value": float(self.value), "type": self.kind}
+        return {"value": float(self.value), "type": self.type}
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
@@ -110,9 +114,9 @@ class FixedKLController:
 
 class AdaptiveKLController:
     """Ziegler's rule (ki = 0), or with the integral term (ki > 0, type pi). `value` is β, `target`
-    the KL it steers toward, `integral` the integral term's state. Kind "adaptive" for both.
+    the KL it steers toward, `integral` the integral term's state. Type "adaptive" for both.
     Differs from verl: see README, 'Where nanokl differs from verl'."""
-    kind = "adaptive"
+    type = "adaptive"
 
     def __init__(self, init_kl_coef: float, target_kl, horizon: float, interp: str = "step",
                  ki: float = 0.0, integral_limit: float = 1.0, hold: int = 0):
@@ -138,6 +142,17 @@ class AdaptiveKLController:
     def follow(self, fraction: float) -> None:
         """Set the target for the step at `fraction` (0..1) of training."""
         self.target = self.scale * target_at(self.schedule, fraction, self.interp)
+
+    def set_value(self, value: float) -> None:
+        """β set from outside the rule (the KL monitor's remedies, nanokl/harness/remedies.py); the
+        rule moves it on from there."""
+        self.value = float(value)
+
+    def set_target(self, new: float, old: float) -> None:
+        """The target moved from `old` to `new` from outside (a remedy): the schedule is scaled by
+        new/old from now on, so that a schedule keeps its shape."""
+        self.scale *= new / old
+        self.target = new
 
     def update(self, current_kl, n_steps) -> None:
         """current_kl: batch mean of per-response mean token KL; n_steps: #responses."""
@@ -179,7 +194,7 @@ class AdaptiveKLController:
         return mult
 
     def state_dict(self) -> dict:
-        state = {"value": float(self.value), "type": "pi" if self.ki else self.kind, "scale": self.scale,
+        state = {"value": float(self.value), "type": "pi" if self.ki else self.type, "scale": self.scale,
                  "target": self.target, "integral": self.integral}
         return state | ({"held": self.held, "reached": self.reached} if self.hold else {})
 
@@ -197,16 +212,15 @@ def make_kl_controller(kl_ctrl_cfg):
     """Build a controller from a config with attributes type, kl_coef, target_kl, horizon
     (the names of verl's algorithm.kl_ctrl), and for type pi ki and integral_limit: verl's
     `get_kl_controller`, plus pi and hold."""
-    kind = kl_ctrl_cfg.type
-    if kind == "fixed":
+    if kl_ctrl_cfg.type == "fixed":
         return FixedKLController(kl_ctrl_cfg.kl_coef)
-    if kind in ("adaptive", "pi"):
+    if kl_ctrl_cfg.type in ("adaptive", "pi"):
         return AdaptiveKLController(kl_ctrl_cfg.kl_coef, kl_ctrl_cfg.target_kl, kl_ctrl_cfg.horizon,
                                     getattr(kl_ctrl_cfg, "target_kl_interp", "step"),
-                                    ki=getattr(kl_ctrl_cfg, "ki", 0.3) if kind == "pi" else 0.0,
+                                    ki=getattr(kl_ctrl_cfg, "ki", 0.3) if kl_ctrl_cfg.type == "pi" else 0.0,
                                     integral_limit=getattr(kl_ctrl_cfg, "integral_limit", 1.0),
                                     hold=getattr(kl_ctrl_cfg, "hold", 0))
-    raise ValueError(f"unknown kl_ctrl.type {kind!r}; valid types are 'fixed', 'adaptive', 'pi'")
+    raise ValueError(f"unknown kl_ctrl.type {kl_ctrl_cfg.type!r}; valid types are 'fixed', 'adaptive', 'pi'")
 
 
 def make_kl_loss_controller(actor_cfg):

@@ -42,7 +42,8 @@ holds it, the two corrections agree. The cost is counted in responses and tokens
 and costs of a run are in bench/RESULTS.md, "The KL you set offline: an on-policy probe for the
 controllers".
 
-Who reads KL_read: the reward's controller (β, nanokl/harness/variants.py's probed_kl), the KL
+Who reads KL_read: the reward's controller (β: harness/variants.py's probed_kl, which takes the
+probe and reads `corrected_kl`), the KL
 monitor (it is actor/reward_kl_penalty; the logged estimate stays as rollout_corr/kl_logged) and, when
 actor.kl_loss_ctrl is adaptive, the KL loss's coefficient (harness/run.py's steer_kl_loss): offline,
 the exact KL loss at the logged prefixes is the stronger hand on π, and an on-policy error is what

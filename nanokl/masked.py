@@ -2,14 +2,15 @@
 
 Responses are right-padded (and a mask may have holes: tool-output tokens the policy did not
 generate), so every statistic is taken where `mask` is 1. A mask *selects*, it does not *weight*:
-a padded position may hold ±inf or NaN (the log-prob of a pad token a logit mask forbids is −inf),
-and 0·inf = 0·NaN = NaN, so the textbook Σ m·x lets one pad poison the batch. Every function
-selects first, zero_masked(x, m) = where(m, x, 0), and sums what is left; for finite x that is m·x
-bit for bit (x·1 = x, x·0 = ±0, and adding ±0 never changes a sum).
+a padded position may hold ±inf or NaN (the log-prob of a pad token a logit mask forbids is
+−inf), and 0·inf = 0·NaN = NaN, so the textbook Σ m·x lets one pad poison the batch. Every
+function selects first, zero_masked(x, m) = where(m, x, 0), and sums what is left; for finite x that
+is m·x bit for bit (x·1 = x, x·0 = ±0, and adding ±0 never changes a sum).
 
 Gradients too: where sends back an exact 0 where it did not select, but autograd multiplies that 0
-by the derivative of what was computed before it (where(m, (x − μ)², 0) at x = inf: 0·2(x − μ) = NaN),
-so arithmetic on x selects x first (the losses of nanokl/ppo.py); whitening's statistics are constants.
+by the derivative of what was computed before it (where(m, (x − μ)², 0) at x = inf:
+0·2(x − μ) = NaN), so arithmetic on x selects x first (the losses of nanokl/ppo.py); whitening's
+statistics are constants.
 
 With n = Σ m:
 
@@ -18,9 +19,10 @@ With n = Σ m:
     masked_whiten = (x − μ) / sqrt(σ² + 1e-8)  shift_mean=False adds μ back (scale only)
 
 Across ranks, whitening with local statistics would depend on the number of GPUs, so it takes
-moments that add up: S1 = Σ_{m=1} x, S2 = Σ_{m=1} x², n (masked_moments; float64, so S2/n − μ²
-does not cancel when |μ| ≫ σ). nanokl/engine/dist.py all-reduces them, masked_whiten takes them back as
-`stats`: μ = S1/n, σ² = (S2/n − μ²)·n/(n − 1). It whitens every position; the loss masks.
+moments that add up: S1 = Σ_{m=1} x, S2 = Σ_{m=1} x², n (masked_moments; float64, so
+S2/n − μ² does not cancel when |μ| ≫ σ). nanokl/engine/dist.py all-reduces them,
+masked_whiten takes them back as `stats`: μ = S1/n, σ² = (S2/n − μ²)·n/(n − 1). It whitens
+every position; the loss masks.
 
 Mirrors verl's masked_sum, masked_mean and masked_whiten (verl/utils/torch_functional.py; its
 masked_var is whitening's σ² here). tests/test_masked.py checks each against numpy on the real
@@ -32,7 +34,8 @@ import torch
 
 
 def zero_masked(values, mask):
-    """values where mask is set, 0 elsewhere: a select, not a product (0·inf and 0·NaN are NaN)."""
+    """values where mask is set, 0 elsewhere: a select, not a product (0·inf and 0·NaN are
+    NaN)."""
     return torch.where(mask.bool(), values, 0)
 
 

@@ -228,3 +228,72 @@ def behaviour_log_probs(rollout_log_probs, ref_log_probs):
     """μ's log-prob of each token: the sampler's where it is known, the reference's where it is NaN
     (a logged file without log-probs: μ = π_ref, as the docstring argues)."""
     return torch.where(torch.isnan(rollout_log_probs), ref_log_probs, rollout_log_probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's parts: what train_ppo.ppo_step calls as run.rollout_correction (step 3: the weights,
+# the rejection) and run.read_kl (step 4: the KL the controller reads), bound to the config's
+# algorithm.rollout_correction (`rc`) and to a sum over ranks (`reduce`) by harness/variants.py
+
+
+def _same(t):
+    return t
+
+
+def no_correction(batch, rollout_log_probs, rc=None, reduce=_same):
+    """Online: π_old sampled the responses; no weights, nothing rejected."""
+    return None, batch["response_mask"], {}
+
+
+def token_weights(batch, rollout_log_probs, rc, reduce=_same):
+    """Truncated per-token weights min(π_old/μ, C) (verl's rollout_is=token):
+    (weights, response_mask, rollout_corr/* metrics)."""
+    mask, mu = batch["response_mask"], behaviour_log_probs(rollout_log_probs, batch["ref_log_probs"])
+    w = truncated_is_weights(batch["old_log_probs"], mu, mask, rc.rollout_is_threshold)
+    return w, mask, _is_step_metrics(w, mask, rc.rollout_is_threshold, reduce)
+
+
+def sequence_weights(batch, rollout_log_probs, rc, reduce=_same):
+    """The response's truncated product min(Π_t π_old/μ, C) on each of its tokens (verl's
+    rollout_is=sequence)."""
+    mask, mu = batch["response_mask"], behaviour_log_probs(rollout_log_probs, batch["ref_log_probs"])
+    w = sequence_is_weights(batch["old_log_probs"], mu, mask, rc.rollout_is_threshold)
+    return w, mask, _is_step_metrics(w, mask, rc.rollout_is_threshold, reduce)
+
+
+def _is_step_metrics(w, mask, threshold, reduce):
+    sums = reduce(is_sums(w, mask, threshold))
+    return {f"rollout_corr/{k}": v for k, v in is_metrics_from_sums(sums).items()}
+
+
+def rejection(batch, rollout_log_probs, rc, reduce=_same, weigh=no_correction):
+    """`weigh` (one of the three above), then verl's rejection sampling (rollout_rs): every token
+    whose statistic of log π_old/μ leaves its bounds, or whose response's does, leaves
+    response_mask (`rejection_mask`): it weighs nothing in the losses, as in verl, nor in the KL
+    penalty and the KL its controller reads (verl applies the KL penalty before rejection:
+    README, 'Where nanokl differs from verl'). ppo_step places the advantages on the kept
+    tokens, but the outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, grpo_passk)
+    still sum each response's score over the rollout's mask (`score_mask`), as verl sums the
+    whole row, so a rejected last token takes no score away; GAE, REINFORCE++ and ReMax run
+    over the kept tokens alone and, as in verl, drop the reward on a rejected token
+    (nanokl/advantages.py, 'Two masks')."""
+    w, mask, metrics = weigh(batch, rollout_log_probs, rc, reduce)
+    mu = behaviour_log_probs(rollout_log_probs, batch["ref_log_probs"])
+    kept = rejection_mask(batch["old_log_probs"], mu, mask, rc.rollout_rs, rc.rollout_rs_threshold)
+    sums = reduce(rs_sums(kept, mask))
+    rs = {f"rollout_corr/rollout_{k}": v for k, v in rs_metrics_from_sums(sums).items()}
+    return w, kept, {**metrics, **rs}
+
+
+def logged_kl(batch, kl, current, metrics, exact=False, reduce=_same):
+    """The KL the controller reads: the step's plain mean `current` online (no weights); on
+    responses μ sampled, the self-normalised importance-weighted estimate of the KL under π
+    (`weighted_kl`, above), the plain mean kept as rollout_corr/kl_unweighted. For the exact KL
+    (`exact`: kl_penalty full) no token was sampled for it: weights of 1 on the real tokens."""
+    weights = batch["is_weights"]
+    if weights is None:
+        return current
+    if exact:
+        weights = torch.where(batch["response_mask"].bool(), 1.0, 0.0)
+    metrics["rollout_corr/kl_unweighted"] = current
+    return weighted_kl(kl, weights, batch["response_mask"], reduce=reduce).item()

@@ -1,4 +1,5 @@
-"""PPO losses: clipped policy losses (PPO, GSPO, CISPO), the clipped value loss, and how to average them.
+"""PPO losses: clipped policy losses (PPO, GSPO, CISPO), the clipped value loss, and how to
+average them.
 
 Clipped policy loss (Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
 arXiv:1707.06347, eq. 7)
@@ -9,19 +10,19 @@ removes the incentive to drift far:
 
     loss = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A) = max(−ρA, −clip(ρ)A)
 
-For A > 0 the gain stops at ρ = 1 + ε_high; for A < 0 at ρ = 1 − ε_low. Separate ε_low/ε_high
-("clip-higher", DAPO arXiv:2503.14476) let rare tokens grow faster than they shrink. For A < 0
-and ρ ≫ 1 the loss −ρA is still unbounded, so one stale token can own the step; dual-clip PPO
-(Ye et al. 2020, arXiv:1912.09729) caps it:
+For A > 0 the gain stops at ρ = 1 + ε_high; for A < 0 at ρ = 1 − ε_low. Separate
+ε_low/ε_high ("clip-higher", DAPO arXiv:2503.14476) let rare tokens grow faster than they shrink.
+For A < 0 and ρ ≫ 1 the loss −ρA is still unbounded, so one stale token can own the step;
+dual-clip PPO (Ye et al. 2020, arXiv:1912.09729) caps it:
 
     A < 0:  loss = min(max(−ρA, −clip(ρ)A), −c·A)      with c = clip_ratio_c > 1
 
-The log-ratio is clamped to [−20, 20] before the exponential so ρ stays finite. Diagnostics, as in
-verl's `compute_policy_loss_vanilla`: pg_clipfrac (clipping active), pg_clipfrac_lower (the dual
-clip active) and ppo_kl = mean of −log ρ, an estimate of KL(π_old‖π_θ): how far the epochs have
-walked from the sampler. With `is_weights`
-(responses another policy μ sampled, nanokl/offline.py) each token's loss is multiplied by
-w = min(π_old/μ, C) first; μ = π_old gives w = 1, the loss above.
+The log-ratio is clamped to [−20, 20] before the exponential so ρ stays finite. Diagnostics, as
+in verl's `compute_policy_loss_vanilla`: pg_clipfrac (clipping active), pg_clipfrac_lower (the dual
+clip active) and ppo_kl = mean of −log ρ, an estimate of KL(π_old‖π_θ): how far the epochs
+have walked from the sampler. With `is_weights` (responses another policy μ sampled,
+nanokl/offline.py) each token's loss is multiplied by w = min(π_old/μ, C) first; μ = π_old gives
+w = 1, the loss above.
 
 Two more policy losses, one signature (`POLICY_LOSSES`, verl's `actor.policy_loss.loss_mode`)
 ---------------------------------------------------------------------------------------------
@@ -29,12 +30,13 @@ GSPO (Zheng et al. 2025, arXiv:2507.18071) clips a *sequence's* ratio: one respo
 its likelihood ratio normalised by its length, s_i = (π_θ(y_i)/π_old(y_i))^(1/|y_i|) =
 exp(mean_t log ρ_it). A token-level ratio lets a single noisy token leave the band while its
 neighbours stay; s_i moves the whole response in or out together. As in verl's
-`compute_policy_loss_gspo`, each token carries s_it = sg[s_i]·π_θ(y_it)/sg[π_θ(y_it)]: its value is
-s_i, its gradient s_i·∇log π_θ(y_it), so with A_it = A_i the seq-mean-token-mean gradient is GSPO's
-s_i·A_i·mean_t ∇log π_θ(y_it). The loss is max(−A·s, −A·clip(s, 1 − ε_low, 1 + ε_high)), no
-dual clip, log s clamped to ≤ 10 (not below), and verl always aggregates it seq-mean-token-mean,
-whatever loss_agg_mode says: so does nanokl (the config sets it, with a start-up note), since
-`global_norm` must then count sequences. old_log_prob gets no gradient (it only enters through sg[s_i]).
+`compute_policy_loss_gspo`, each token carries s_it = sg[s_i]·π_θ(y_it)/sg[π_θ(y_it)]: its
+value is s_i, its gradient s_i·∇log π_θ(y_it), so with A_it = A_i the seq-mean-token-mean
+gradient is GSPO's s_i·A_i·mean_t ∇log π_θ(y_it). The loss is
+max(−A·s, −A·clip(s, 1 − ε_low, 1 + ε_high)), no dual clip, log s clamped to ≤ 10
+(not below), and verl always aggregates it seq-mean-token-mean, whatever loss_agg_mode says: so
+does nanokl (the config sets it, with a start-up note), since `global_norm` must then count
+sequences. old_log_prob gets no gradient (it only enters through sg[s_i]).
 
 CISPO (MiniMax-M1, arXiv:2506.13585) never drops a token's gradient: PPO's clip zeroes it outside
 the band, CISPO clips the *weight* and keeps the REINFORCE term, loss = −sg[clip(ρ, 1 − ε_low,
@@ -45,9 +47,10 @@ CISPO: where ρ leaves the band), pg_clipfrac_lower = 0 and ppo_kl as above (GSP
 
 Clipped value loss (verl's `compute_value_loss`, from OpenAI baselines' ppo2)
 ---------------------------------------------------------------------------
-vclip = V_old + clamp(V − V_old, ±cliprange_value) and loss = ½·max((V − R)², (vclip − R)²);
-vf_clipfrac counts the tokens where the clipped error is strictly larger. Inside the band vclip is
-V itself: V_old + (V − V_old) rounds to a neighbouring float and would count as clipped.
+vclip = V_old + clamp(V − V_old, ±cliprange_value) and
+loss = ½·max((V − R)², (vclip − R)²); vf_clipfrac counts the tokens where the clipped error
+is strictly larger. Inside the band vclip is V itself: V_old + (V − V_old) rounds to a
+neighbouring float and would count as clipped.
 
 Aggregating a [batch, len] loss matrix (verl's `agg_loss`)
 ---------------------------------------------------------
@@ -64,11 +67,12 @@ does not follow each micro-batch's padding. Metrics are detached 0-d tensors (no
 
 Masks select, inputs first
 --------------------------
-"m·l" reads "l where m" (nanokl/masked.py): a padded entry may hold ±inf or NaN (a −inf log-prob),
-and 0·inf = NaN. Selecting the loss matrix keeps it out of the value, but the backward would still
-multiply the mask's 0 by the padded entry's derivative (2(V − R) with R = inf). So both losses
-select their *inputs* (log-probs, advantages, weights, values, returns) before any arithmetic:
-padded entries hold 0, get a gradient of exactly 0, and the real entries are untouched, bit for bit.
+"m·l" reads "l where m" (nanokl/masked.py): a padded entry may hold ±inf or NaN (a −inf
+log-prob), and 0·inf = NaN. Selecting the loss matrix keeps it out of the value, but the backward
+would still multiply the mask's 0 by the padded entry's derivative (2(V − R) with R = inf). So
+both losses select their *inputs* (log-probs, advantages, weights, values, returns) before any
+arithmetic: padded entries hold 0, get a gradient of exactly 0, and the real entries are untouched,
+bit for bit.
 
 Log-probabilities and entropy from logits
 -----------------------------------------
@@ -83,7 +87,8 @@ import torch
 from nanokl.masked import masked_mean, zero_masked
 
 # How agg_loss may reduce a loss matrix (the config validates loss_agg_mode against this list).
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None):
@@ -93,7 +98,8 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None)
     An all-masked call returns 0. Differs from verl: see README, 'Where nanokl differs from verl'.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes are {', '.join(LOSS_AGG_MODES)}")
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes are "
+                         f"{', '.join(LOSS_AGG_MODES)}")
     mask = loss_mask.to(loss_mat.dtype)
     token_sums = zero_masked(loss_mat, loss_mask).sum(dim=-1)
     if loss_agg_mode == "token-mean":
@@ -112,7 +118,8 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_norm=None, horizon=None)
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
                         clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
-                        loss_agg_mode="token-mean", global_norm=None, horizon=None, is_weights=None):
+                        loss_agg_mode="token-mean", global_norm=None, horizon=None,
+                        is_weights=None):
     """Dual-clip PPO policy loss. Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl}).
 
     is_weights: optional [N, R] per-token importance weights (no grad) for responses another
@@ -121,8 +128,10 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
-    # Select the inputs before any arithmetic, so a padded inf/NaN never meets the mask's 0 in the backward.
-    old_log_prob, log_prob, advantages = (zero_masked(x, response_mask) for x in (old_log_prob, log_prob, advantages))
+    # Select the inputs before any arithmetic, so a padded inf/NaN never meets the mask's 0 in the
+    # backward.
+    old_log_prob, log_prob, advantages = (zero_masked(x, response_mask)
+                                          for x in (old_log_prob, log_prob, advantages))
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
 
@@ -138,9 +147,11 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_norm, horizon)
     with torch.no_grad():
         metrics = {
-            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype), response_mask),
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype),
+                                       response_mask),
             "pg_clipfrac_lower": masked_mean(
-                (negative & (loss_ppo > -advantages * clip_ratio_c)).to(loss_mat.dtype), response_mask
+                (negative & (loss_ppo > -advantages * clip_ratio_c)).to(loss_mat.dtype),
+                response_mask
             ),
             "ppo_kl": masked_mean(-log_ratio, response_mask),
         }
@@ -149,17 +160,22 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
 
 def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
                              clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
-                             loss_agg_mode="seq-mean-token-mean", global_norm=None, horizon=None, is_weights=None):
+                             loss_agg_mode="seq-mean-token-mean", global_norm=None, horizon=None,
+                             is_weights=None):
     """GSPO's sequence-ratio clipped loss (verl's `gspo`). compute_policy_loss's signature and
     metrics; clip_ratio_c and horizon are unused (no dual clip; always seq-mean-token-mean)."""
     if loss_agg_mode != "seq-mean-token-mean":
-        raise ValueError(f"gspo aggregates seq-mean-token-mean (as verl does, whatever loss_agg_mode says); "
-                         f"set loss_agg_mode to it, got {loss_agg_mode!r}")
-    old_log_prob, log_prob, advantages = (zero_masked(x, response_mask) for x in (old_log_prob, log_prob, advantages))
-    log_ratio = log_prob - old_log_prob  # 0 on padded tokens, so the row sum is the sum over real ones
-    seq_log_ratio = log_ratio.sum(dim=-1) / response_mask.to(log_ratio.dtype).sum(dim=-1).clamp(min=1)
+        raise ValueError(f"gspo aggregates seq-mean-token-mean (as verl does, whatever "
+                         f"loss_agg_mode says); set loss_agg_mode to it, got {loss_agg_mode!r}")
+    old_log_prob, log_prob, advantages = (zero_masked(x, response_mask)
+                                          for x in (old_log_prob, log_prob, advantages))
+    # 0 on padded tokens, so the row sum is the sum over real ones
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = (log_ratio.sum(dim=-1)
+                     / response_mask.to(log_ratio.dtype).sum(dim=-1).clamp(min=1))
     # value log s_i, gradient d/d log π_θ(y_it) = 1: sg[s_i]·π_θ/sg[π_θ] in log space
-    log_seq_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    log_seq_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1),
+                                max=10.0)
     seq_ratio = torch.exp(log_seq_ratio)
 
     loss_unclipped = -advantages * seq_ratio
@@ -171,7 +187,8 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, global_norm, horizon)
     with torch.no_grad():
         metrics = {
-            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype), response_mask),
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype),
+                                       response_mask),
             "pg_clipfrac_lower": loss_mat.new_zeros(()),
             "ppo_kl": masked_mean(-log_ratio, response_mask),
         }
@@ -180,13 +197,16 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
 
 def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
                               clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
-                              loss_agg_mode="token-mean", global_norm=None, horizon=None, is_weights=None):
+                              loss_agg_mode="token-mean", global_norm=None, horizon=None,
+                              is_weights=None):
     """CISPO's clipped-weight REINFORCE loss −sg[clip(ρ)]·A·log π_θ (verl's `cispo`).
     compute_policy_loss's signature and metrics; clip_ratio_c is unused (no dual clip)."""
-    old_log_prob, log_prob, advantages = (zero_masked(x, response_mask) for x in (old_log_prob, log_prob, advantages))
+    old_log_prob, log_prob, advantages = (zero_masked(x, response_mask)
+                                          for x in (old_log_prob, log_prob, advantages))
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
-    clipped_ratio = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()  # a weight, not a path
+    # a weight, not a path
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
     loss_mat = -clipped_ratio * advantages * log_prob
     if is_weights is not None:
         loss_mat = zero_masked(is_weights, response_mask) * loss_mat
@@ -201,8 +221,9 @@ def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-# actor.policy_loss.loss_mode -> loss; one signature: (old_log_prob, log_prob, advantages, response_mask,
-# clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_norm, horizon, is_weights)
+# actor.policy_loss.loss_mode -> loss; one signature: (old_log_prob, log_prob, advantages,
+# response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_norm, horizon,
+# is_weights)
 POLICY_LOSSES = {
     "vanilla": compute_policy_loss,
     "gspo": compute_policy_loss_gspo,
@@ -213,10 +234,12 @@ POLICY_LOSSES = {
 def compute_value_loss(vpreds, returns, values, response_mask, cliprange_value,
                        loss_agg_mode="token-mean", global_norm=None, horizon=None):
     """Clipped value loss ½·max((V − R)², (V_clip − R)²). Returns (loss, {vf_clipfrac})."""
-    vpreds, returns, values = (zero_masked(x, response_mask) for x in (vpreds, returns, values))  # select first
+    vpreds, returns, values = (zero_masked(x, response_mask)
+                               for x in (vpreds, returns, values))  # select first
     delta = vpreds - values
     outside = delta.abs() > cliprange_value
-    vpred_clipped = torch.where(outside, values + delta.clamp(-cliprange_value, cliprange_value), vpreds)
+    vpred_clipped = torch.where(outside, values + delta.clamp(-cliprange_value, cliprange_value),
+                                vpreds)
     err_unclipped = (vpreds - returns) ** 2
     err_clipped = (vpred_clipped - returns) ** 2
     loss_mat = torch.maximum(err_unclipped, err_clipped)

@@ -78,16 +78,17 @@ def mean_kl(kl, response_mask, reduce=_same) -> float:
     return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
 
 
-def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, beta, kind="kl", reduce=_same,
+def apply_kl_penalty(scores, old_log_prob, ref_log_prob, response_mask, beta, kind="kl", reduce=_same,
                      kl=None):
     """verl's apply_kl_penalty: KL_t = kl_penalty(old_log_prob, ref_log_prob, kind) at each sampled
-    token, r_t = score_t − β·KL_t. Returns (token_level_rewards, kl per token (0 under the mask),
+    token, r_t = score_t − β·KL_t (train_ppo.ppo_step's step 4 writes the same lines out). `scores`:
+    the [N, R] token-level scores (`token_level_scores`). Returns (token_level_rewards, kl per token (0 under the mask),
     current_kl). `kl`: the per-token KL when it cannot come from two log-probs (kind `full`: from
     both models' whole distributions, forwards.compute_full_kl)."""
     if kl is None:
         kl = kl_penalty(old_log_prob, ref_log_prob, kind)
     kl = zero_masked(kl, response_mask)
-    return token_level_scores - beta * kl, kl, mean_kl(kl, response_mask, reduce)
+    return scores - beta * kl, kl, mean_kl(kl, response_mask, reduce)
 
 
 def overlong_penalty(response_lengths, max_len, buffer_len, penalty_factor):

@@ -23,11 +23,11 @@ nothing to batch across time. The recipe that makes it fast is small (gpt-fast, 
 
 Which log-probability is returned. `log_probs[b, t]` is log softmax(logits / temperature) of the
 chosen token: the temperature-scaled distribution *before* top-k / top-p filtering. That is what
-the training forward recomputes (`logprobs_from_logits(logits / temperature)`, nanokl/forwards.py), as in
-verl, so the two agree to float error and `rollout/log_prob_max_diff` measures only numerics.
-Filtering changes which tokens can be drawn, not the recorded log-prob; with top-k/top-p the
-sampler is thus slightly off-policy, a known and accepted trade. Greedy decoding (do_sample=False
-or temperature=0) records log softmax(logits) at temperature 1.
+the training forward recomputes (`logprobs_from_logits(logits / temperature)`, nanokl/forwards.py),
+as in verl, so the two agree to float error and `rollout/log_prob_max_diff` measures only numerics.
+Filtering changes which tokens can be drawn, not the recorded log-prob; with top-k/top-p the sampler
+is thus slightly off-policy, a known and accepted trade. Greedy decoding (do_sample=False or
+temperature=0) records log softmax(logits) at temperature 1.
 
 Layout of the result: `sequences = [prompt (left-padded, P) | response (R)]`, where R is the number
 of decode steps actually run (at most `max_new_tokens`; generation stops when every row has
@@ -37,11 +37,11 @@ emitted an EOS). `response_mask` is 1 up to and including the first EOS; later t
 One entry: `generate`. Every caller samples through it (PPO's rollout, validation, generate.py,
 the SFT / reward-model / DPO helpers, the benchmarks). On the CPU it is the eager loop above. On
 CUDA (`use_cuda_graph`, by default on a device that has graphs) the same prefill, loop and trim run
-on the buffers of the model's graph engine (nanokl/engine/graphs.py, an appendix: launches, not ideas):
-rollout hands the engine its `DecodeState` class to allocate once and a `decode_step` over those
-buffers to capture per (bucket, slot span, setting); each step is then one replay. The engine draws
-from its own generator, so the caller's state is copied in before the prefill and back after the
-last step: a seed picks the same tokens as eager decoding when the batch fills its bucket.
+on the buffers of the model's graph engine (nanokl/engine/graphs.py, an appendix: launches, not
+ideas): rollout hands the engine its `DecodeState` class to allocate once and a `decode_step` over
+those buffers to capture per (bucket, slot span, setting); each step is then one replay. The engine
+draws from its own generator, so the caller's state is copied in before the prefill and back after
+the last step: a seed picks the same tokens as eager decoding when the batch fills its bucket.
 
 Tests: tests/test_rollout.py (greedy equals argmax over full forwards without cache; returned
 log-probs equal a training forward; top-k/top-p never sample outside the allowed set; seeded
@@ -134,7 +134,8 @@ def record(state, token, logp, eos_ids, pad_token_id):
 def decode_step(model, cache, state, eos_ids, pad_token_id, sampling, generator=None):
     """One token for every row: forward at `state.slot`, sample, record. Fixed shapes throughout
     (what a CUDA graph can capture, nanokl/engine/graphs.py)."""
-    logits = model(state.tokens, position_ids=state.positions, cache=cache, cache_positions=state.slot)
+    logits = model(state.tokens, position_ids=state.positions, cache=cache,
+                   cache_positions=state.slot)
     token, logp = sample_tokens(logits[:, -1], **sampling, generator=generator)
     record(state, token, logp, eos_ids, pad_token_id)
     state.positions += 1
@@ -147,32 +148,36 @@ def generate(model, input_ids, attention_mask, max_new_tokens, temperature=1.0, 
     """Sample `n` responses per left-padded prompt; see the module docstring for the layout. Each
     decode step is a CUDA-graph replay when `use_cuda_graph` (default: on a device that has
     graphs, not on the CPU), else an eager step."""
-    graphed = graphs.on_graph_device(input_ids.device) and (use_cuda_graph is None or bool(use_cuda_graph))
+    graphed = graphs.on_graph_device(input_ids.device) and (use_cuda_graph is None
+                                                            or bool(use_cuda_graph))
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample)
     with torch.inference_mode():
-        out = (_generate_graphed if graphed else _generate)(model, input_ids, attention_mask, max_new_tokens,
-                                                            sampling, eos_list(eos_token_id), pad_token_id,
+        out = (_generate_graphed if graphed else _generate)(model, input_ids, attention_mask,
+                                                            max_new_tokens, sampling,
+                                                            eos_list(eos_token_id), pad_token_id,
                                                             generator, n)
     return cloned(out)
 
 
-def _generate(model, input_ids, attention_mask, R, sampling, eos, pad_token_id, generator, n) -> RolloutOutput:
+def _generate(model, input_ids, attention_mask, R, sampling, eos, pad_token_id, generator,
+              n) -> RolloutOutput:
     dev = input_ids.device
     B, P = input_ids.shape
     eos_ids = torch.tensor(eos, dtype=torch.long, device=dev)
     cache = KVCache(model.config, B * n, P + R, device=dev, dtype=next(model.parameters()).dtype)
     state = DecodeState(B * n, max(R, 1), dev)
-    prompt = prefill(model, cache, cache.view(rows=B), state, input_ids, attention_mask, n, R, eos_ids,
-                     pad_token_id, sampling, generator)
+    prompt = prefill(model, cache, cache.view(rows=B), state, input_ids, attention_mask, n, R,
+                     eos_ids, pad_token_id, sampling, generator)
     # each step attends over the P + t filled slots only (a graph must keep the full cache)
-    steps = decode(state, R, lambda t: decode_step(model, cache.view(slots=P + t), state, eos_ids, pad_token_id,
-                                                   sampling, generator))
+    steps = decode(state, R, lambda t: decode_step(model, cache.view(slots=P + t), state, eos_ids,
+                                                   pad_token_id, sampling, generator))
     return trim(state, steps, eos_ids, *prompt)
 
 
 def _generate_graphed(model, input_ids, attention_mask, R, sampling, eos, pad_token_id, generator,
                       n) -> RolloutOutput:
-    """_generate on the model's graph engine: its cache and DecodeState, each decode step a replay."""
+    """_generate on the model's graph engine: its cache and DecodeState, each decode step a
+    replay."""
     dev = input_ids.device
     B, P = input_ids.shape
     eos_ids = torch.tensor(eos, dtype=torch.long, device=dev)
@@ -182,24 +187,31 @@ def _generate_graphed(model, input_ids, attention_mask, R, sampling, eos, pad_to
     # capture (first use only) every slot span this call will reach, before the prefill: the
     # warm-up runs scribble on the cache and the state
     replays = {S: engine.graph((bucket, S, tuple(sampling.items()), tuple(eos), pad_token_id),
-                               lambda S=S: _static_step(model, engine, bucket, S, eos, pad_token_id, sampling))
+                               lambda S=S: _static_step(model, engine, bucket, S, eos,
+                                                        pad_token_id, sampling))
                for S in sorted({engine.span(P + t) for t in range(1, R)})}
     caller_gen = generator if generator is not None else _default_generator(dev)
-    engine.gen.set_state(caller_gen.get_state())  # the generator the graphs draw from takes over the caller's state
-    prompt = prefill(model, cache, cache.view(rows=B, slots=P), state, input_ids, attention_mask, n, R,
-                     eos_ids, pad_token_id, sampling, engine.gen)  # the prompt needs only its own slots
+    # the generator the graphs draw from takes over the caller's state
+    engine.gen.set_state(caller_gen.get_state())
+    # the prompt needs only its own slots
+    prompt = prefill(model, cache, cache.view(rows=B, slots=P), state, input_ids, attention_mask,
+                     n, R, eos_ids, pad_token_id, sampling, engine.gen)
     # each step attends over the span that holds the P + t filled slots
     steps = decode(state, R, lambda t: replays[engine.span(P + t)].replay())
-    caller_gen.set_state(engine.gen.get_state())  # the caller's generator advances as if it had drawn
+    # the caller's generator advances as if it had drawn
+    caller_gen.set_state(engine.gen.get_state())
     return trim(state, steps, eos_ids, *prompt)
 
 
 def _static_step(model, engine, bucket, span, eos, pad_token_id, sampling):
-    """The decode step a graph captures: over `bucket` rows and `span` slots of the engine's buffers,
-    drawing from its generator, with the EOS ids in a tensor the graph keeps (it reads that address)."""
-    cache, state = engine.cache.view(rows=bucket, slots=span), engine.static(DecodeState).rows(bucket)
+    """The decode step a graph captures: over `bucket` rows and `span` slots of the engine's
+    buffers, drawing from its generator, with the EOS ids in a tensor the graph keeps (it reads that
+    address)."""
+    cache, state = (engine.cache.view(rows=bucket, slots=span),
+                    engine.static(DecodeState).rows(bucket))
     for t in (state.slot, state.col, state.positions, state.done):
-        t.zero_()  # the warm-up runs write at slot/column 0..1; prefill re-initialises all of it after
+        # the warm-up runs write at slot/column 0..1; prefill re-initialises all of it after
+        t.zero_()
     eos_ids = torch.tensor(eos, dtype=torch.long, device=cache.k.device)
     return lambda: decode_step(model, cache, state, eos_ids, pad_token_id, sampling, engine.gen)
 
@@ -207,14 +219,15 @@ def _static_step(model, engine, bucket, span, eos, pad_token_id, sampling):
 def _default_generator(dev):
     """The generator eager decoding draws from when given none."""
     if dev.type == "cuda":
-        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+        return torch.cuda.default_generators[dev.index if dev.index is not None
+                                             else torch.cuda.current_device()]
     return torch.default_generator
 
 
-def prefill(model, cache, prompt_cache, state, input_ids, attention_mask, n, R, eos_ids, pad_token_id, sampling,
-            generator):
-    """1. Run the B prompts once, through `prompt_cache` (a view of the cache's first B rows); repeat
-    their rows n times; sample and record the first response token (when R > 0). Returns the
+def prefill(model, cache, prompt_cache, state, input_ids, attention_mask, n, R, eos_ids,
+            pad_token_id, sampling, generator):
+    """1. Run the B prompts once, through `prompt_cache` (a view of the cache's first B rows);
+    repeat their rows n times; sample and record the first response token (when R > 0). Returns the
     prompts' ids, mask and positions, n times each."""
     dev = input_ids.device
     B, P = input_ids.shape
@@ -222,12 +235,13 @@ def prefill(model, cache, prompt_cache, state, input_ids, attention_mask, n, R, 
     state.done.zero_()
     mask = attention_mask.bool()
     prompt_pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids, mask, prompt_pos, cache=prompt_cache, cache_positions=torch.arange(P, device=dev),
-                   logits_to_keep=1)[:, -1]
+    logits = model(input_ids, mask, prompt_pos, cache=prompt_cache,
+                   cache_positions=torch.arange(P, device=dev), logits_to_keep=1)[:, -1]
     if n > 1:
         _repeat_rows(cache, B, n, P)
         logits = logits.repeat_interleave(n, 0)
-        input_ids, mask, prompt_pos = (t.repeat_interleave(n, 0) for t in (input_ids, mask, prompt_pos))
+        input_ids, mask, prompt_pos = (t.repeat_interleave(n, 0)
+                                       for t in (input_ids, mask, prompt_pos))
     if R > 0:
         state.col.zero_()
         token, logp = sample_tokens(logits, **sampling, generator=generator)
@@ -273,12 +287,15 @@ def trim(state, steps, eos_ids, input_ids, mask, prompt_pos) -> RolloutOutput:
 
 def eos_list(eos_token_id):
     """None, one id or several, as a list."""
-    return [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    return [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int)
+                                            else list(eos_token_id))
 
 
 def cloned(out):
-    """Cloned outside inference mode: ordinary tensors that a training forward may use under autograd."""
-    return RolloutOutput(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(out).items()})
+    """Cloned outside inference mode: ordinary tensors that a training forward may use under
+    autograd."""
+    return RolloutOutput(**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in vars(out).items()})
 
 
 def _repeat_rows(cache, B, n, P):

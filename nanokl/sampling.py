@@ -1,4 +1,5 @@
-"""Dynamic sampling (DAPO): train only on prompts whose responses disagree, and sample until enough.
+"""Dynamic sampling (DAPO): train only on prompts whose responses disagree, and sample until
+enough.
 
 Why
 ---
@@ -7,7 +8,8 @@ responses to its prompt. When all of them score the same (all right, or all wron
 is 0: the prompt costs a generation and a forward-backward and moves nothing, and the batch's
 gradient comes from fewer prompts than it claims. Training makes it worse, as more prompts become
 always right. DAPO (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
-Scale", arXiv:2503.14476, §3.2) drops those groups and samples more prompts until the batch is full.
+Scale", arXiv:2503.14476, §3.2) drops those groups and samples more prompts until the batch is
+full.
 
 The rule (verl's DAPO trainer, `algorithm.filter_groups`: enable, metric, max_num_gen_batches)
 -----------------------------------------------------------------------------------------------
@@ -37,7 +39,8 @@ def kept_groups(scores, index):
     """(keep, n_prompts): a bool [N] tensor marking the responses of the kept groups, and how many
     groups (prompts) that is. scores: one number per response; index: one hashable prompt id per
     response (a list, numpy array or tensor), equal ids forming a group."""
-    values = torch.as_tensor(scores, dtype=torch.float64).reshape(-1).tolist()  # the rule runs on the host
+    # the rule runs on the host
+    values = torch.as_tensor(scores, dtype=torch.float64).reshape(-1).tolist()
     keys = index.tolist() if hasattr(index, "tolist") else list(index)
     if len(keys) != len(values):
         raise ValueError(f"index has {len(keys)} ids for {len(values)} scores")
@@ -87,15 +90,18 @@ class GroupBuffer:
         keys = index.tolist() if hasattr(index, "tolist") else list(index)
         ordinal = {}  # each kept group's number, counting on from the earlier rounds' groups
         self._groups.append(torch.tensor(
-            [self.num_prompts + ordinal.setdefault(keys[i], len(ordinal)) for i in rows.tolist()], dtype=torch.long))
+            [self.num_prompts + ordinal.setdefault(keys[i], len(ordinal)) for i in rows.tolist()],
+            dtype=torch.long))
         self.num_gen_batches += 1
         self.num_prompts += n
         if self.num_prompts >= self.target:
             return True
         if 0 < self.max_num_gen_batches <= self.num_gen_batches:
-            raise RuntimeError(f"dynamic sampling kept {self.num_prompts} of {self.target} prompts in "
-                               f"{self.num_gen_batches} rounds (algorithm.filter_groups.max_num_gen_batches="
-                               f"{self.max_num_gen_batches}): the data may be too hard or too easy; 0 means no limit")
+            raise RuntimeError(f"dynamic sampling kept {self.num_prompts} of {self.target} "
+                               f"prompts in {self.num_gen_batches} rounds "
+                               f"(algorithm.filter_groups.max_num_gen_batches="
+                               f"{self.max_num_gen_batches}): the data may be too hard or too "
+                               f"easy; 0 means no limit")
         return False
 
     def take(self, cat=None):
@@ -105,7 +111,9 @@ class GroupBuffer:
         when rounds differ in width (a rollout trims its padding per round)."""
         if self.num_prompts < self.target:
             raise RuntimeError(f"only {self.num_prompts} of {self.target} prompts kept so far")
-        rows = [(g < self.target).nonzero().squeeze(-1) for g in self._groups]  # whole groups; the surplus goes
+        # whole groups; the surplus goes
+        rows = [(g < self.target).nonzero().squeeze(-1) for g in self._groups]
         join = cat or (lambda key, parts: cat_rows(parts))
-        out = {k: join(k, [take_rows(p[k], r) for p, r in zip(self._parts, rows)]) for k in self._parts[0]}
+        out = {k: join(k, [take_rows(p[k], r) for p, r in zip(self._parts, rows)])
+               for k in self._parts[0]}
         return out, torch.cat([g[r] for g, r in zip(self._groups, rows)])

@@ -136,9 +136,9 @@ def update_actor(actor, opt, batch, a, temperature, *, mini_size, spec=Batching(
     pass over its row (no extra forward: the trainer's actor/entropy when the old log-probs came from
     the rollout), else None. `watch(mb, log_probs)`: more fractions to record of each micro-batch (the
     KL monitor's ratio band, nanokl/harness/hacking.py), token-weighted as pg_clipfrac is."""
-    mode, loss_mode = a.loss_agg_mode, a.policy_loss.loss_mode
+    mode, policy_loss_mode = a.loss_agg_mode, a.policy_loss.loss_mode
     # PPO's clipped loss; GSPO and CISPO (nanokl/ppo.py) replace it with the same signature
-    policy_loss = compute_policy_loss if loss_mode == "vanilla" else POLICY_LOSSES[loss_mode]
+    policy_loss = compute_policy_loss if policy_loss_mode == "vanilla" else POLICY_LOSSES[policy_loss_mode]
     kl_loss = None
     if a.use_kl_loss:
         kl_loss = exact_kl_loss(ref, temperature, spec, mode, horizon) if a.kl_loss_type == "full" else \

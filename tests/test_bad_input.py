@@ -45,7 +45,7 @@ def train_cli(argv, capfd, monkeypatch):
     capfd.readouterr()
     monkeypatch.setattr(sys, "argv", ["train_ppo.py", *map(str, argv)])
     with pytest.raises(SystemExit) as info:
-        train_ppo.cli()
+        train_ppo.cli(train_ppo.main)
     return info.value.code, capfd.readouterr().err
 
 

@@ -338,12 +338,12 @@ def test_race_tiny(sft_dir, tmp_path):
     race = _race()
     from nanokl.harness.config.load import load_config
     from nanokl.harness.hf_format import from_pretrained
-    from nanokl.harness.scoring import validate
+    from nanokl.harness.scoring import evaluate
     from nanokl.harness.tokenizer import load_tokenizer
     cfg = load_config(ROOT / "configs" / "arith_tiny.yaml", [f"actor_rollout_ref.model.path={sft_dir}",
                                                              "data.num_val=8"])
     _, val = race.TASKS["arith"].examples(cfg.data, seed=cfg.data.seed)
-    acc0 = validate(from_pretrained(sft_dir), load_tokenizer(sft_dir), val, cfg, torch.device("cpu"))
+    acc0 = evaluate(from_pretrained(sft_dir), load_tokenizer(sft_dir), val, cfg, torch.device("cpu"))
     assert curve[0]["t"] == 0 and curve[0]["acc_val"] == acc0[race.ACC]
     # the clock after each step (--tiny: budget 3 s, horizon 2, an evaluation every 1.5 s)
     budget, every, end = 3.0, 1.5, 6.0

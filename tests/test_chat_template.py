@@ -11,7 +11,8 @@ from tokenizers import models, pre_tokenizers, trainers
 
 from chat_templates import LLAMA3_1, QWEN2_5
 from nanokl.harness.config.yaml_io import UserError
-from nanokl.harness.data import build_prompts, filter_overlong, verl_row_to_example
+from nanokl.harness.data import build_prompts, filter_overlong
+from nanokl.tasks.rows import verl_row_to_example
 from nanokl.harness.tokenizer import apply_template, load_tokenizer, train_tokenizer
 
 transformers = pytest.importorskip("transformers")

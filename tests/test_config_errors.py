@@ -272,9 +272,15 @@ def test_config_error_is_a_user_error_and_a_value_error():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["trainer.kl_monitor.kl_high_adjust.knob=kl_coeff"],
-     "trainer.kl_monitor.kl_high_adjust.knob must be one of kl_coef, target_kl, kl_type, entropy_coeff, actor_lr, "
-     "critic_lr; got 'kl_coeff' (did you mean 'kl_coef'?)"),
+    (["trainer.kl_monitor.kl_high_adjust.knob=kl_weigth"],
+     "trainer.kl_monitor.kl_high_adjust.knob must be one of kl_weight, target_kl, kl_type, entropy_coeff, actor_lr, "
+     "critic_lr; got 'kl_weigth' (did you mean 'kl_weight'?)"),
+    (["trainer.kl_monitor.kl_high_adjust.knob=kl_coef"],
+     "trainer.kl_monitor.kl_high_adjust.knob=kl_coef is now kl_weight (beta in the reward and/or the KL loss's weight; "
+     "algorithm.kl_ctrl.kl_coef is beta's start)"),
+    (["actor_rollout_ref.actor.loss_mode=dpo"],
+     "actor_rollout_ref.actor.loss_mode is now actor_rollout_ref.actor.objective (ppo, dpo or ipo; verl's policy loss "
+     "is actor_rollout_ref.actor.policy_loss.loss_mode)"),
     (["trainer.kl_monitor.entropy_adjust.factor=2", "trainer.kl_monitor.entropy_adjust.value=0.1"],
      "trainer.kl_monitor.entropy_adjust: give exactly one of factor (multiply the knob) and value (set it)"),
     (["trainer.kl_monitor.kl_var_adjust.value=low_var"], "trainer.kl_monitor.kl_var_adjust.value must be one of"),
@@ -292,11 +298,11 @@ def test_bad_remedy_rules_and_target_schedules_name_the_key(overrides, expected)
 def test_a_rule_override_keeps_the_rest_of_its_default_rule():
     mon = load_config(None, ["trainer.kl_monitor.kl_high_adjust.cooldown=2",
                              "trainer.kl_monitor.kl_low_adjust={value: 0.02}",
-                             "trainer.kl_monitor.entropy_adjust={knob: kl_coef, factor: 2}"]).trainer.kl_monitor
+                             "trainer.kl_monitor.entropy_adjust={knob: kl_weight, factor: 2}"]).trainer.kl_monitor
     assert (mon.kl_high_adjust.knob, mon.kl_high_adjust.factor, mon.kl_high_adjust.limit,
-            mon.kl_high_adjust.cooldown) == ("kl_coef", 1.5, 1.0, 2)
+            mon.kl_high_adjust.cooldown) == ("kl_weight", 1.5, 1.0, 2)
     assert (mon.kl_low_adjust.knob, mon.kl_low_adjust.factor, mon.kl_low_adjust.value) == ("target_kl", None, 0.02)
     assert (mon.entropy_adjust.knob, mon.entropy_adjust.factor, mon.entropy_adjust.value,
-            mon.entropy_adjust.limit) == ("kl_coef", 2.0, None, None)
+            mon.entropy_adjust.limit) == ("kl_weight", 2.0, None, None)
     sched = load_config(None, ["algorithm.kl_ctrl.target_kl=[[0, 0.1], [0.5, 0.03]]"]).algorithm.kl_ctrl.target_kl
     assert sched == [[0.0, 0.1], [0.5, 0.03]]

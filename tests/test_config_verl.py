@@ -131,7 +131,7 @@ def test_each_noted_key_loads_and_prints_its_own_note_once(key):
 
 def test_every_verl_only_field_has_a_note_or_a_rule():
     """config/verl_keys.py's fields (the base classes' own) are each noted, refused, or mapped."""
-    from nanokl.harness import verl_keys
+    from nanokl.harness.config import verl_keys
     handled = set(VERL_NOTES) | {k for k, _, _ in verl_keys._VERL_REFUSED}
     mapped = {"clip_grad", "ppo_micro_batch_size", "log_prob_micro_batch_size", "forward_micro_batch_size",
               "forward_micro_batch_size_per_gpu", "micro_batch_size", "enable", "optimizer", "num_cycles"}

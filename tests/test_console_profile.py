@@ -24,7 +24,7 @@ from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.config.load import load_config
 from nanokl.harness.config.notes import startup_notes
 from nanokl.harness.metrics import timing_per_token, verl_data_metrics
-from nanokl.harness.profile import chosen_steps
+from nanokl.harness.config.notes import chosen_steps
 from nanokl.harness.tracking import Tracker, console_style, read_metrics, verl_console_line
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,8 @@ import pytest
 
 from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.data import (_permutation, batch_indices, build_prompts, drop_overlong, filter_overlong,
-                                 read_examples, steps_per_epoch, verl_row_to_example)
+                                 steps_per_epoch)
+from nanokl.tasks.rows import read_examples, verl_row_to_example
 from nanokl.harness.tokenizer import train_tokenizer
 from nanokl.tasks.arith import ArithDifficulty, make_arith_task
 from verl_data import write_rows

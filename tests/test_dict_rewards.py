@@ -117,7 +117,7 @@ def test_validation_takes_acc_for_val_core_and_logs_every_numeric_key_as_verl(tm
     for n in (1, 4):
         cfg = custom_cfg(tmp_path, f"actor_rollout_ref.rollout.val_kwargs.n={n}", "data.val_batch_size=3")
         samples = []
-        got = scoring.validate(None, tok, VAL, cfg, torch.device("cpu"), samples=samples)
+        got = scoring.evaluate(None, tok, VAL, cfg, torch.device("cpu"), samples=samples)
         texts = [RESPONSES[ex["prompt"]][j] for ex in VAL for j in range(n)]
         truths = [ex["ground_truth"] for ex in VAL for _ in range(n)]
         preds = [t.split("Answer:")[-1].strip() for t in texts]
@@ -145,7 +145,7 @@ def test_a_number_keeps_todays_metrics(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(scoring, "sample", canned(tok, RESPONSES))
     cfg = custom_cfg(tmp_path)
     val = [{**ex, "data_source": "plain"} for ex in VAL]
-    got = scoring.validate(None, tok, val, cfg, torch.device("cpu"))
+    got = scoring.evaluate(None, tok, val, cfg, torch.device("cpu"))
     assert set(got) == {"val-core/plain/acc/mean@1", "val-aux/response_length/mean"}
     assert got["val-core/plain/acc/mean@1"] == 0.5  # Q0 and Q1 right
 
@@ -157,7 +157,7 @@ def test_a_source_mixing_numbers_and_dicts_is_refused_in_validation(tmp_path, to
                     "    return {'score': 1.0, 'acc': True} if '204' in solution_str else 0.0\n")
     cfg = load_config(TINY, [f"custom_reward_function.path={path}"])
     with pytest.raises(RewardError) as err:
-        scoring.validate(None, tok, VAL, cfg, torch.device("cpu"))
+        scoring.evaluate(None, tok, VAL, cfg, torch.device("cpu"))
     text = str(err.value)
     assert "\n" not in text and "compute_score" in text and "validation response 1 of this rank" in text, text
     assert "returned a dict with 'acc', 'score'" in text and "but a number" in text and "'mine'" in text, text
@@ -179,7 +179,7 @@ def test_dapo_rows_report_acc_as_0_or_1_and_score_as_plus_minus_1(tmp_path, tok,
     _, scores, rule = scoring.score_batch(tok, out, val, cfg)
     assert scores.tolist() == [1.0, 1.0, -1.0, -1.0] and rule.tolist() == [1.0, 1.0, 0.0, 0.0]
     monkeypatch.setattr(scoring, "sample", canned(tok, {ex["prompt"]: [t] for ex, t in zip(val, texts)}))
-    got = scoring.validate(None, tok, val, cfg, torch.device("cpu"))
+    got = scoring.evaluate(None, tok, val, cfg, torch.device("cpu"))
     assert got["val-core/aime24/acc/mean@1"] == 0.5  # verl's acc: 2 of 4 right
     assert got["val-aux/aime24/score/mean@1"] == got["val-aux/aime24/reward/mean@1"] == 0.0  # 2 * 0.5 - 1
     assert set(got) == {"val-core/aime24/acc/mean@1", "val-aux/aime24/reward/mean@1", "val-aux/aime24/score/mean@1",

@@ -201,7 +201,7 @@ def test_update_gradient_equals_float64_per_pair_formula(loss_type, fp32_logits,
         for p in pol.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
     opt = Recorder(pol.parameters())
-    a = SimpleNamespace(loss_mode={"sigmoid": "dpo", "ipo": "ipo"}[loss_type], ppo_epochs=1, grad_clip=1e9)
+    a = SimpleNamespace(objective={"sigmoid": "dpo", "ipo": "ipo"}[loss_type], ppo_epochs=1, grad_clip=1e9)
     m = dpo.update_policy(pol.train(), opt, batch, a, T, mini_size=6, spec=Batching(micro_size=2), beta=beta)
     params = list(pol.parameters())
 

@@ -178,7 +178,7 @@ def run_cli(argv, capfd):
     sys.argv = ["train_ppo.py", *argv]
     try:
         with pytest.raises(SystemExit) as info:
-            train_ppo.cli()
+            train_ppo.cli(train_ppo.main)
     finally:
         sys.argv = sys_argv
     return info.value.code, capfd.readouterr().err

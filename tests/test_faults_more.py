@@ -179,7 +179,7 @@ CTRL_C_IN_STEP_2 = textwrap.dedent(f"""
             os.kill(os.getpid(), signal.SIGINT)
         return real(*a, global_step=global_step, **kw)
     train_ppo.score_batch = scoring
-    train_ppo.cli()
+    train_ppo.cli(train_ppo.main)
 """)
 
 
@@ -222,12 +222,12 @@ def test_ctrl_c_before_the_first_step_is_one_line_and_exit_130(sft_dir, tmp_path
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         sys.argv = ["train_ppo.py", *sys.argv[1:]]
-        import nanokl.harness.run as run
+        import nanokl.supervised.stages as stages
         def interrupted(*a, **kw):
             raise KeyboardInterrupt
-        run.train_missing_stages = interrupted
+        stages.train_missing_stages = interrupted
         import train_ppo
-        train_ppo.cli()
+        train_ppo.cli(train_ppo.main)
     """)
     proc = launch(script, *args(sft_dir, tmp_path / "run"))
     assert proc.returncode == 130, proc.stderr[-3000:]

@@ -192,7 +192,7 @@ OVERRIDES = st.one_of(  # half of them a (near) key with a value made for it
                      "data.train_files.x=1", "actor_rollout_ref.model.override_config={a: {b: 1}}",
                      "actor_rollout_ref.model.override_config=&r {a: *r}", "data.num_val=&a [*a]",
                      "--config=x.yaml", "data.task=gsm8k", "algorithm.adv_estimator=grpo",
-                     "actor_rollout_ref.actor.loss_mode=dpo", "trainer.resume_mode=resume_path",
+                     "actor_rollout_ref.actor.objective=dpo", "trainer.resume_mode=resume_path",
                      "data.num_val=" + "9" * 5000, "data.seed=2024-13-45", "data.num_val=!!int x",
                      "++data.num_val=1", "+data.task=arith", "~data.num_val=256", "~data", "~data.nope", "~",
                      "trainer.project_name=${trainer.nope}", "trainer.project_name=${trainer.experiment_name}",

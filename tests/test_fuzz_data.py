@@ -21,7 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from nanokl.harness.config.schema import DataConfig  # noqa: E402
 from nanokl.harness.config.yaml_io import UserError  # noqa: E402
-from nanokl.harness.data import read_examples, verl_row_to_example  # noqa: E402
+from nanokl.tasks.rows import read_examples, verl_row_to_example  # noqa: E402
 from nanokl.harness.logged import read_logged  # noqa: E402
 from nanokl.supervised.preference_data import read_preferences  # noqa: E402
 from nanokl.tasks import TASKS  # noqa: E402

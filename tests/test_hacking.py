@@ -19,7 +19,7 @@ KL, EV, SCORE, RULE, LEN = ("actor/reward_kl_penalty", "critic/vf_explained_var"
                             "critic/rule_score/mean", "response_length/mean")
 REP, CLIP, RATIO, HOLD = "response_repetition/mean", "response_length/clip_ratio", "actor/ratio_out_band", \
     "actor/kl_ctrl_holding"
-KNOBS = {"kl_coef": 0.05, "target_kl": 0.05, "actor_lr": 2e-5}
+KNOBS = {"kl_weight": 0.05, "target_kl": 0.05, "actor_lr": 2e-5}
 
 
 def cfg(**kw):
@@ -41,7 +41,7 @@ def events(mon, stream, knobs=None):
 def test_the_defaults_are_the_articles_numbers():
     c = KLMonitorConfig()
     assert (c.kl_low, c.kl_high, c.kl_high_act, c.kl_low_act) == (0.02, 0.08, 0.15, 0.01)
-    assert (c.kl_high_adjust.knob, c.kl_high_adjust.factor, c.kl_low_adjust.knob) == ("kl_coef", 1.5, "target_kl")
+    assert (c.kl_high_adjust.knob, c.kl_high_adjust.factor, c.kl_low_adjust.knob) == ("kl_weight", 1.5, "target_kl")
     assert (c.escalation, c.kl_high_escalate.knob, c.kl_high_escalate.factor, c.kl_high_escalate.limit,
             c.kl_high_escalate.cooldown) == ("reference", "actor_lr", 0.5, 1e-6, 5)
     for preset, acts in (("aggressive", (0.15, 0.01)), ("conservative", (0.1, 0.005))):  # conservative: measured
@@ -54,7 +54,7 @@ def test_kl_high_warns_between_the_edge_and_0_15_and_adjusts_beyond():
     # step: 1 in band, 2 just above the edge, 3 exactly the act threshold (not beyond), 4 beyond, 5 beyond (cooling)
     got = events(mon, [{KL: 0.08}, {KL: 0.0801}, {KL: 0.15}, {KL: 0.1501}, {KL: 0.3}], KNOBS)
     assert got == {2: [("kl_band", "warn", None, False)], 3: [("kl_band", "warn", None, False)],
-                   4: [("kl_band", "adjust", ("kl_coef", 0.05, 0.05 * 1.5), False)],
+                   4: [("kl_band", "adjust", ("kl_weight", 0.05, 0.05 * 1.5), False)],
                    5: [("kl_band", "warn", None, False)]}
 
 
@@ -78,7 +78,7 @@ def test_a_rollback_too_waits_for_the_act_threshold():
 
 def test_escalation_cuts_the_lr_once_beta_is_at_its_limit_and_reloads_the_reference():
     mon = KLMonitor(cfg(kl_band_action="adjust"))
-    knobs = {"kl_coef": 0.8, "actor_lr": 4e-6}
+    knobs = {"kl_weight": 0.8, "actor_lr": 4e-6}
     got = {}
     for step in range(1, 13):
         evs = mon.check(step, {KL: 0.2}, dict(knobs))
@@ -89,7 +89,7 @@ def test_escalation_cuts_the_lr_once_beta_is_at_its_limit_and_reloads_the_refere
     # step 1: beta 0.8 -> 1.0 (capped at its limit); from step 2 beta is at its limit (and cooling): escalate at 2
     # (lr 4e-6 -> 2e-6, reload), the lr cools down for 5 steps; step 7: 2e-6 -> 1e-6 (its limit); step 12: the lr
     # is at its limit: a warning
-    assert got[1] == ("adjust", ("kl_coef", 0.8, 1.0), False)
+    assert got[1] == ("adjust", ("kl_weight", 0.8, 1.0), False)
     assert got[2] == ("adjust", ("actor_lr", 4e-6, 2e-6), True)
     assert all(got[s] == ("warn", None, False) for s in range(3, 7))
     assert got[7] == ("adjust", ("actor_lr", 2e-6, 1e-6), True)
@@ -99,10 +99,10 @@ def test_escalation_cuts_the_lr_once_beta_is_at_its_limit_and_reloads_the_refere
 
 def test_no_escalation_while_beta_merely_cools_down_nor_between_the_edge_and_0_15():
     mon = KLMonitor(cfg(kl_band_action="adjust"))
-    assert [e.change for e in mon.check(1, {KL: 0.2}, {"kl_coef": 0.1, "actor_lr": 1e-5})] == \
-        [("kl_coef", 0.1, 0.1 * 1.5)]
-    assert [e.change for e in mon.check(2, {KL: 0.2}, {"kl_coef": 0.15, "actor_lr": 1e-5})] == [None]  # cooling
-    assert [e.change for e in mon.check(3, {KL: 0.12}, {"kl_coef": 1.0, "actor_lr": 1e-5})] == [None]  # below act
+    assert [e.change for e in mon.check(1, {KL: 0.2}, {"kl_weight": 0.1, "actor_lr": 1e-5})] == \
+        [("kl_weight", 0.1, 0.1 * 1.5)]
+    assert [e.change for e in mon.check(2, {KL: 0.2}, {"kl_weight": 0.15, "actor_lr": 1e-5})] == [None]  # cooling
+    assert [e.change for e in mon.check(3, {KL: 0.12}, {"kl_weight": 1.0, "actor_lr": 1e-5})] == [None]  # below act
 
 
 @pytest.mark.parametrize("escalation, change, reload", [("lr", ("actor_lr", 1e-5, 5e-6), False),
@@ -110,7 +110,7 @@ def test_no_escalation_while_beta_merely_cools_down_nor_between_the_edge_and_0_1
                                                          ("none", None, False)])
 def test_escalation_modes(escalation, change, reload):
     mon = KLMonitor(cfg(kl_band_action="adjust", escalation=escalation))
-    (e,) = mon.check(1, {KL: 0.5}, {"kl_coef": 1.0, "actor_lr": 1e-5})
+    (e,) = mon.check(1, {KL: 0.5}, {"kl_weight": 1.0, "actor_lr": 1e-5})
     assert (e.change, e.reload, e.action) == (change, reload, "adjust" if change else "warn")
 
 
@@ -161,7 +161,7 @@ def test_length_drift_fires_beyond_its_rise_while_the_score_rises_and_the_rule_d
     flat, up = [0.5] * 4, [0.1, 0.1, 0.9, 0.9]
     assert events(KLMonitor(c), drift_stream([16, 16, 20, 20], up, flat), KNOBS) == {}
     got = events(KLMonitor(c), drift_stream([16, 16, 20.0001, 20.0001], up, flat), KNOBS)
-    assert got == {4: [("length_drift", "adjust", ("kl_coef", 0.05, 0.05 * 1.5), False)]}
+    assert got == {4: [("length_drift", "adjust", ("kl_weight", 0.05, 0.05 * 1.5), False)]}
     mon = KLMonitor(c)
     events(mon, drift_stream([16, 16, 20.0001, 20.0001], up, flat), KNOBS)
     assert mon.metrics()["monitor/length_rise"] == pytest.approx(4.0001 / 16)
@@ -204,7 +204,7 @@ def test_ratio_band_fires_strictly_above_its_share_and_halves_the_lr():
 
 def test_degenerate_adjust_and_rollback_and_nan():
     mon = KLMonitor(cfg(degenerate_action="adjust"))
-    assert events(mon, [{REP: 0.6}], KNOBS) == {1: [("degenerate", "adjust", ("kl_coef", 0.05, 0.05 * 1.5), False)]}
+    assert events(mon, [{REP: 0.6}], KNOBS) == {1: [("degenerate", "adjust", ("kl_weight", 0.05, 0.05 * 1.5), False)]}
     mon = KLMonitor(cfg(degenerate_action="rollback"))
     assert events(mon, [{CLIP: 0.9}]) == {1: [("degenerate", "rollback", None, False)]}
     assert events(KLMonitor(cfg()), [{RATIO: math.nan}]) == {1: [("ratio_band", "warn", None, False)]}
@@ -226,10 +226,10 @@ def test_state_round_trip_with_windows_escalations_and_actions():
             out.append(([(e.check, e.action, e.change, e.reload) for e in evs], mon.metrics()))
         return out
 
-    straight_knobs = {"kl_coef": 1.0, "actor_lr": 1e-5}
+    straight_knobs = {"kl_weight": 1.0, "actor_lr": 1e-5}
     straight = KLMonitor(c, warmup=2)
     whole = feed(straight, range(1, 7), straight_knobs)
-    first_knobs = {"kl_coef": 1.0, "actor_lr": 1e-5}
+    first_knobs = {"kl_weight": 1.0, "actor_lr": 1e-5}
     first = KLMonitor(c, warmup=2)
     feed(first, range(1, 4), first_knobs)
     resumed = KLMonitor(c, warmup=2)
@@ -309,7 +309,7 @@ def test_a_reward_that_pays_for_length_trips_the_degenerate_check_and_its_adjust
         assert rows[s]["monitor/degenerate_fired"] == 0.0 and "monitor/action/degenerate" not in rows[s]
     assert rows[first]["monitor/degenerate_fired"] == 1.0
     assert rows[first]["monitor/action/degenerate"] == 2.0  # adjust
-    assert rows[first]["monitor/adjust/kl_coef"] == 0.05 * 1.5
+    assert rows[first]["monitor/adjust/kl_weight"] == 0.05 * 1.5
     assert rows[first + 1]["actor/reward_kl_penalty_coeff"] == 0.05 * 1.5  # the next step runs with it
     assert all(rows[s]["actor/reward_kl_penalty_coeff"] == 0.05 for s in range(1, first + 1))
 

@@ -175,7 +175,7 @@ def test_fixed_kl_loss_coefficient_is_verls():
     run = _loss_run("actor_rollout_ref.actor.kl_loss_coef=0.02")
     metrics = {"actor/kl_loss": 5.0}
     steer_kl_loss(run, metrics)
-    assert run.kl_loss_ctrl.kind == "fixed" and run.kl_loss_ctrl.value == 0.02 and metrics == {"actor/kl_loss": 5.0}
+    assert run.kl_loss_ctrl.type == "fixed" and run.kl_loss_ctrl.value == 0.02 and metrics == {"actor/kl_loss": 5.0}
 
 
 def test_adaptive_kl_loss_coefficient_follows_the_update_rule_on_a_scripted_kl_stream():

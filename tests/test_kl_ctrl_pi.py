@@ -181,7 +181,7 @@ def test_config_builds_a_pi_controller():
     from nanokl.harness.config.notes import startup_notes
     c = load_config(None, ["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.ki=0.5", "algorithm.kl_ctrl.integral_limit=2"])
     ctrl = make_kl_controller(c.algorithm.kl_ctrl)
-    assert (ctrl.kind, ctrl.ki, ctrl.integral_limit) == ("adaptive", 0.5, 2.0)
+    assert (ctrl.type, ctrl.ki, ctrl.integral_limit) == ("adaptive", 0.5, 2.0)
     lines = startup_notes(load_config(None, ["algorithm.kl_ctrl.type=pi", "algorithm.use_kl_in_reward=false"]))
     assert any(line.startswith("warning: algorithm.kl_ctrl.type=pi steers beta") for line in lines)
 

@@ -8,7 +8,7 @@ generated rows and the end-to-end routing of a mixed verl-format file are tests/
 import pytest
 
 from nanokl.harness.config.yaml_io import UserError
-from nanokl.tasks import SOURCES, math_dapo, source_task
+from nanokl.tasks import SOURCE_TASKS, math_dapo, source_task
 from nanokl.tasks import math as math_task
 from nanokl.tasks.math_dapo import dapo_result, normalize_final_answer
 
@@ -110,5 +110,5 @@ def test_unrouted_sources_stay_refused():
     for source in ["AIME24", "numina_olympiads", "MATH", "hiyouga/geometry3k"]:  # verl: other rules, or none
         with pytest.raises(UserError, match=f"no reward rule for data_source '{source}'.*aime\\*"):
             source_task(source)
-    assert SOURCES["lighteval/MATH"] is math_task and "aime" not in SOURCES
+    assert SOURCE_TASKS["lighteval/MATH"] is math_task and "aime" not in SOURCE_TASKS
 

@@ -258,19 +258,19 @@ def drive(monitor, stream, knobs, first_step=1):
     return out
 
 
-def test_kl_high_multiplies_kl_coef_once_per_cooldown_up_to_its_limit():
-    mon = KLMonitor(cfg(kl_band_action="adjust", kl_high_adjust=AdjustRule("kl_coef", factor=1.5, limit=0.2,
+def test_kl_high_multiplies_kl_weight_once_per_cooldown_up_to_its_limit():
+    mon = KLMonitor(cfg(kl_band_action="adjust", kl_high_adjust=AdjustRule("kl_weight", factor=1.5, limit=0.2,
                                                                             cooldown=3)))
-    knobs = {"kl_coef": 0.05}
+    knobs = {"kl_weight": 0.05}
     got = drive(mon, [{KL: 0.12}] * 14, knobs)
     changes = {step: c[0] for step, (c, _) in enumerate(got, 1) if c}
-    assert changes == {1: ("kl_coef", 0.05, 0.05 * 1.5), 4: ("kl_coef", 0.05 * 1.5, 0.05 * 1.5 * 1.5),
-                       7: ("kl_coef", 0.05 * 1.5 * 1.5, 0.05 * 1.5 ** 3), 10: ("kl_coef", 0.05 * 1.5 ** 3, 0.2)}
-    assert knobs["kl_coef"] == 0.2  # 0.253 capped at the limit; step 13 finds it there and only warns
+    assert changes == {1: ("kl_weight", 0.05, 0.05 * 1.5), 4: ("kl_weight", 0.05 * 1.5, 0.05 * 1.5 * 1.5),
+                       7: ("kl_weight", 0.05 * 1.5 * 1.5, 0.05 * 1.5 ** 3), 10: ("kl_weight", 0.05 * 1.5 ** 3, 0.2)}
+    assert knobs["kl_weight"] == 0.2  # 0.253 capped at the limit; step 13 finds it there and only warns
     assert [actions for _, actions in got] == [[("kl_band", "adjust" if s in changes else "warn")] for s in range(1, 15)]
-    assert mon.state_dict()["adjusted"] == {"kl_coef": 0.2} and mon.last_adjusted == {"kl_coef": 10}
-    mon.check(15, {KL: 0.12}, {"kl_coef": 0.2})
-    assert "kl_coef stays at 0.2" in mon.check(16, {KL: 0.12}, {"kl_coef": 0.2})[0].message
+    assert mon.state_dict()["adjusted"] == {"kl_weight": 0.2} and mon.last_adjusted == {"kl_weight": 10}
+    mon.check(15, {KL: 0.12}, {"kl_weight": 0.2})
+    assert "kl_weight stays at 0.2" in mon.check(16, {KL: 0.12}, {"kl_weight": 0.2})[0].message
 
 
 def test_kl_low_lowers_target_kl_only_while_the_score_rises():
@@ -316,30 +316,30 @@ def test_collapse_and_critic_checks_fire_where_their_metrics_cross():
     assert fire_steps(KLMonitor(cfg()), [{EV: v} for v in [0.05, 0.0, -0.001]], "critic") == [3]
 
 
-def test_collapse_adjust_and_kl_high_adjust_share_kl_coef_and_its_cooldown():
+def test_collapse_adjust_and_kl_high_adjust_share_kl_weight_and_its_cooldown():
     mon = KLMonitor(cfg(kl_band_action="adjust", collapse_action="adjust", kl_stop=5.0))
-    knobs = {"kl_coef": 0.1}
+    knobs = {"kl_weight": 0.1}
     got = drive(mon, [{KL: 0.3, ENT: 0.05}] * 6, knobs)
-    # step 1: kl_band first (CHECKS order): 0.1 * 1.5; collapse finds kl_coef cooling down (cooldown 5)
-    assert got[0] == ([("kl_coef", 0.1, 0.1 * 1.5)], [("collapse", "warn"), ("entropy", "warn"), ("kl_band", "adjust")])
-    assert got[5][0] == [("kl_coef", 0.1 * 1.5, 0.1 * 1.5 * 1.5)]  # step 6: the cooldown of 5 is over
+    # step 1: kl_band first (CHECKS order): 0.1 * 1.5; collapse finds kl_weight cooling down (cooldown 5)
+    assert got[0] == ([("kl_weight", 0.1, 0.1 * 1.5)], [("collapse", "warn"), ("entropy", "warn"), ("kl_band", "adjust")])
+    assert got[5][0] == [("kl_weight", 0.1 * 1.5, 0.1 * 1.5 * 1.5)]  # step 6: the cooldown of 5 is over
     assert [c for c, _ in got[1:5]] == [[]] * 4
 
 
 def test_a_knob_the_run_lacks_is_a_warning_that_says_so():
     mon = KLMonitor(cfg(kl_band_action="adjust", score_window=1))
     mon.check(1, {KL: 0.01, SCORE: 0.1}, {})
-    e = mon.check(2, {KL: 0.01, SCORE: 0.2}, {"kl_coef": 0.05})  # rising, but a fixed controller has no target
+    e = mon.check(2, {KL: 0.01, SCORE: 0.2}, {"kl_weight": 0.05})  # rising, but a fixed controller has no target
     assert e[0].action == "warn" and "no target_kl to adjust" in e[0].message
 
 
 def test_adjustments_survive_a_resume_mid_cooldown():
     def fresh():
-        return KLMonitor(cfg(kl_band_action="adjust", kl_high_adjust=AdjustRule("kl_coef", factor=2.0, cooldown=4)))
+        return KLMonitor(cfg(kl_band_action="adjust", kl_high_adjust=AdjustRule("kl_weight", factor=2.0, cooldown=4)))
     stream = [{KL: k} for k in (0.1, 0.1, 0.1, 0.05, 0.1, 0.1, 0.1, 0.1)]
-    straight = drive(fresh(), stream, {"kl_coef": 0.01})
+    straight = drive(fresh(), stream, {"kl_weight": 0.01})
     first = fresh()
-    knobs = {"kl_coef": 0.01}
+    knobs = {"kl_weight": 0.01}
     head = drive(first, stream[:2], knobs)
     second = fresh()
     second.load_state_dict(first.state_dict())  # a checkpoint after step 2, in the middle of the cooldown

@@ -61,7 +61,7 @@ def blow_up(nproc, sft_dir, tmp_path, capfd, *extra):
     old, sys.argv = sys.argv, ["train_ppo.py", *argv]
     try:
         with pytest.raises(SystemExit) as exit_info:  # the command line's own exit path
-            train_ppo.cli()
+            train_ppo.cli(train_ppo.main)
     finally:
         sys.argv = old
     return exit_info.value.code, capfd.readouterr().err
@@ -169,11 +169,11 @@ def test_adjustments_and_the_schedule_survive_a_resume(sft_dir, tmp_path, capfd,
     assert [{k: v for k, v in r.items() if not k.startswith(quiet)} for r in ra] == \
         [{k: v for k, v in r.items() if not k.startswith(quiet)} for r in rb]
     steps = {r["training/global_step"]: r for r in ra if "actor/target_kl" in r}
-    adjusted = [s for s, r in steps.items() if "monitor/adjust/kl_coef" in r]
+    adjusted = [s for s, r in steps.items() if "monitor/adjust/kl_weight" in r]
     assert adjusted and any(s > 4 for s in adjusted), "the drift never crossed the band after the resume"
     for s, r in steps.items():  # the adjusted beta is what the next step used (before its own update)
-        if "monitor/adjust/kl_coef" in r and s + 1 in steps:
-            assert steps[s + 1]["actor/reward_kl_penalty_coeff"] == r["monitor/adjust/kl_coef"]
+        if "monitor/adjust/kl_weight" in r and s + 1 in steps:
+            assert steps[s + 1]["actor/reward_kl_penalty_coeff"] == r["monitor/adjust/kl_weight"]
     # the schedule: 0.1 for steps 0-3 (fractions 0..0.375 of 8 steps), 0.03 after; no low-KL adjust scaled it
     assert [steps[s]["actor/target_kl"] for s in sorted(steps)] == [0.1 if s - 1 < 4 else 0.03 for s in sorted(steps)]
     assert load_state(latest_checkpoint(tmp_path / "a"))[1]["kl_ctrl"] == \

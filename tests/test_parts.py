@@ -285,7 +285,7 @@ def test_validate_at_k_equals_val_metrics_on_the_sampled_responses(sft_dir, monk
     monkeypatch.setattr(reward_fn, "scorer", lambda cfg: lambda text, ex: float(len(text) % 2))
     monkeypatch.setattr(reward_fn, "answerer", lambda cfg: lambda text, ex: text[-2:])
     samples = []
-    got = scoring.validate(model, tok, val, cfg, torch.device("cpu"), samples=samples)
+    got = scoring.evaluate(model, tok, val, cfg, torch.device("cpu"), samples=samples)
     assert len(samples) == len(val) * n
     outputs, hits = [s[1] for s in samples], [s[2] for s in samples]
     uids = [i // n for i in range(len(samples))]

@@ -26,16 +26,16 @@ def fake_run(use_kl_in_reward=True, use_kl_loss=False):
 
 def test_knobs_are_the_run_state():
     run = fake_run()
-    assert remedies.knobs(run) == {"kl_coef": 0.05, "kl_type": "kl", "target_kl": 0.1, "entropy_coeff": 0.0,
+    assert remedies.knobs(run) == {"kl_weight": 0.05, "kl_type": "kl", "target_kl": 0.1, "entropy_coeff": 0.0,
                                    "actor_lr": 1e-3}
     loss_only = fake_run(use_kl_in_reward=False, use_kl_loss=True)
-    assert remedies.knobs(loss_only)["kl_coef"] == 0.001 and remedies.knobs(loss_only)["kl_type"] == "low_var_kl"
+    assert remedies.knobs(loss_only)["kl_weight"] == 0.001 and remedies.knobs(loss_only)["kl_type"] == "low_var_kl"
     assert "target_kl" not in remedies.knobs(loss_only)  # no controller target without a KL in the reward
 
 
 def test_changes_land_in_the_state_objects():
     run = fake_run(use_kl_loss=True)
-    remedies.set_knob(run, "kl_coef", 0.05, 0.075)
+    remedies.set_knob(run, "kl_weight", 0.05, 0.075)
     assert run.kl_ctrl.value == 0.075 and run.kl_loss_ctrl.value == pytest.approx(0.0015)  # the same ratio
     remedies.set_knob(run, "target_kl", 0.1, 0.07)
     run.kl_ctrl.follow(0.6)  # the scale carries into the schedule's next phase
@@ -46,7 +46,7 @@ def test_changes_land_in_the_state_objects():
     assert run.cfg.actor_rollout_ref.actor.entropy_coeff == 0.01
     zero = fake_run(use_kl_loss=True)
     zero.kl_ctrl.value = 0.0
-    remedies.set_knob(zero, "kl_coef", 0.0, 0.02)  # from 0: no ratio to keep
+    remedies.set_knob(zero, "kl_weight", 0.0, 0.02)  # from 0: no ratio to keep
     assert zero.kl_loss_ctrl.value == 0.02
 
 
@@ -65,7 +65,7 @@ def test_a_new_base_lr_keeps_the_schedule():
 
 def test_restore_reapplies_the_config_knobs():
     run = fake_run()
-    run.monitor.adjusted = {"kl_type": "low_var_kl+", "entropy_coeff": 0.01, "kl_coef": 0.3}
+    run.monitor.adjusted = {"kl_type": "low_var_kl+", "entropy_coeff": 0.01, "kl_weight": 0.3}
     remedies.restore(run)
     assert run.cfg.algorithm.kl_penalty == "low_var_kl+"  # no KL loss: the in-reward estimator
     assert run.cfg.actor_rollout_ref.actor.entropy_coeff == 0.01

@@ -13,11 +13,11 @@ import torch
 
 from nanokl.harness.config.yaml_io import UserError, run_cli
 from nanokl.harness.config.load import load_config
-from nanokl.harness.reward_fn import REWARD_MANAGERS, check_sources, load_custom, manager, naive, scorer
+from nanokl.harness.reward_fn import MANAGERS, check_sources, load_custom, manager, naive, scorer
 from nanokl.harness.scoring import score_batch
 from nanokl.harness.tokenizer import train_tokenizer
 from nanokl.rollout import RolloutOutput
-from nanokl.tasks import SOURCES, arith, get_task, gsm8k
+from nanokl.tasks import SOURCE_TASKS, arith, get_task, gsm8k
 from nanokl.tasks.arith import arith_score
 from nanokl.tasks.gsm8k import gsm8k_score
 from verl_data import verl_row
@@ -92,7 +92,7 @@ def test_a_custom_function_scores_every_response_as_a_hand_loop_does(tmp_path, t
 
 def test_without_a_custom_function_the_task_rule_scores_and_naive_loops():
     cfg = load_config(TINY)
-    assert cfg.reward_model.reward_manager == "naive" and manager(cfg) is naive and REWARD_MANAGERS["naive"] is naive
+    assert cfg.reward_model.reward_manager == "naive" and manager(cfg) is naive and MANAGERS["naive"] is naive
     score = scorer(cfg)
     for text, ex in [("#### 42", EXAMPLES[0]), ("#### 41", EXAMPLES[0]), ("42", EXAMPLES[0])]:
         assert score(text, ex) == arith_score(text, ex["ground_truth"])
@@ -141,7 +141,7 @@ def test_with_data_files_and_no_task_each_row_is_scored_by_its_data_source(tmp_p
     path = verl_rows(tmp_path)
     cfg = load_config(TINY, ["data.task=null", f"data.train_files={path}"])
     assert cfg.data.task is None and load_config(TINY, ["data.task=null"]).data.task == "arith"
-    assert {s: t for s, t in SOURCES.items() if t in (arith, gsm8k)} == {"arith": arith, "openai/gsm8k": gsm8k}
+    assert {s: t for s, t in SOURCE_TASKS.items() if t in (arith, gsm8k)} == {"arith": arith, "openai/gsm8k": gsm8k}
     train, val = get_task(cfg.data.task).examples(cfg.data)
     assert [ex["data_source"] for ex in train] == ["openai/gsm8k"] * 2 + ["arith"] * 2 + ["openai/gsm8k"]
     assert val == [] and train[4]["ground_truth"] == "2"

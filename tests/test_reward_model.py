@@ -33,9 +33,11 @@ from nanokl.harness.config.yaml_io import UserError
 from nanokl.harness.config.load import load_config
 from nanokl.harness.hf_format import CheckpointError
 from nanokl.supervised.preference_data import build_preference_data, pair_kinds, rank_responses, read_preferences
-from nanokl.supervised.reward_model import (RewardModel, bt_loss, collate, encode_rankings, fit_normalization, load_reward_model,
-                                 pairwise_accuracy, pl_loss, ranking_pairs, save_reward_model, score_with_rm,
-                                 train_from_config, train_reward_model)
+from nanokl.engine.model import RewardModel
+from nanokl.harness.hf_format import load_reward_model, save_reward_model
+from nanokl.harness.scoring import score_with_rm
+from nanokl.supervised.reward_model import (bt_loss, collate, encode_rankings, fit_normalization, pairwise_accuracy,
+                                            pl_loss, ranking_pairs, train_from_config, train_reward_model)
 from nanokl.harness.tokenizer import train_tokenizer
 from nanokl.tasks import arith
 

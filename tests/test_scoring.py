@@ -4,7 +4,7 @@ import torch
 
 from nanokl.engine import model as M
 from nanokl.harness.scoring import keep_last_tokens
-from nanokl.supervised.reward_model import RewardModel
+from nanokl.engine.model import RewardModel
 
 
 def test_truncated_rm_score_equals_scoring_the_kept_tokens_alone():

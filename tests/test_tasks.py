@@ -13,7 +13,7 @@ import pytest
 from nanokl.harness.config.schema import DataConfig
 from nanokl.harness.config.yaml_io import ConfigError, UserError
 from nanokl.harness.config.load import load_config
-from nanokl.harness.data import DataError
+from nanokl.tasks.rows import DataError
 from nanokl.tasks import TASKS, arith, get_task, gsm8k
 from nanokl.tasks.arith import ArithDifficulty, arith_score, make_arith_task, mix_answer_formats
 from nanokl.tasks.gsm8k import INSTRUCTION, extract_gsm8k_answer, gsm8k_score, load_examples

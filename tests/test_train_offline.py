@@ -107,7 +107,7 @@ def test_a_mini_batch_whose_tokens_were_all_rejected_adds_a_loss_of_0(sft_dir, t
 
 def test_dpo_in_the_offline_step(sft_dir, tmp_path, logged_file, monkeypatch):
     monkeypatch.setattr(variants, "sample", never)
-    rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.actor.loss_mode=dpo", "actor_rollout_ref.rollout.n=2",
+    rows = run(sft_dir, tmp_path, logged_file, "actor_rollout_ref.actor.objective=dpo", "actor_rollout_ref.rollout.n=2",
                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                "critic.ppo_mini_batch_size=8")  # one mini-batch a step: its loss is all at pi = pi_ref
     assert not (tmp_path / "global_step_3" / "critic").exists()  # DPO builds no critic
@@ -131,7 +131,7 @@ def test_dpo_micro_batches_equal_one_batch(sft_dir, logged_file):
     batch = {k: getattr(out, k) for k in ("sequences", "attention_mask", "position_ids", "responses", "response_mask")}
     ref = from_pretrained(sft_dir)
     batch["ref_log_probs"], _ = forwards.compute_log_probs(ref, batch, 1.0)
-    a = SimpleNamespace(loss_mode="dpo", ppo_epochs=1, grad_clip=1e9)
+    a = SimpleNamespace(objective="dpo", ppo_epochs=1, grad_clip=1e9)
     params = []
     for micro in (None, 2):
         torch.manual_seed(0)

@@ -359,7 +359,7 @@ def test_fresh_heads_and_warm_start_draw_from_their_own_seeded_generators(sft_di
     went through before; the warm start neither depends on nor moves the global generator."""
     from nanokl.harness.config.load import load_config
     from nanokl.harness.hf_format import load_value_model, read_config
-    from nanokl.supervised.reward_model import load_reward_model
+    from nanokl.harness.hf_format import load_reward_model
     from nanokl.supervised.sft import train_sft
     H, std = read_config(sft_dir)[0]["hidden_size"], read_config(sft_dir)[0]["initializer_range"]
     want = torch.randn(1, H, generator=torch.Generator().manual_seed(7), dtype=torch.float32) * std

@@ -355,6 +355,36 @@ class ValueModel(nn.Module):
         return self.score(self.model(input_ids, attention_mask, position_ids, lay=lay)).squeeze(-1)
 
 
+class RewardModel(nn.Module):
+    """Decoder + bias-free scalar head read at the last real token -> one reward per row [B].
+
+    "Last real token" is the last position whose attention_mask is 1, so right padding, left
+    padding, or the rollout's [left-padded prompt | right-padded response] all read the same
+    token (verl's reward worker picks it the same way). `transformers` instead takes the rightmost
+    token that is not `pad_token_id`: the same token unless a real token equals the pad id (a
+    tokenizer that pads with EOS would make HF skip a trailing EOS)."""
+    hf_head = "reward"  # save_pretrained writes Qwen2/LlamaForSequenceClassification
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.score = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # (r - mean) / std: not weights (HF's logits stay the raw r); fitted by fit_normalization
+        # and stored beside the weights in reward_normalization.json (nanokl/supervised/reward_model.py).
+        self.reward_mean, self.reward_std = 0.0, 1.0
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        h = self.model(input_ids, attention_mask, position_ids)
+        if attention_mask is None:
+            last = torch.full((h.shape[0],), h.shape[1] - 1, device=h.device)
+        else:  # index of the last 1: argmax of position * mask (positions are distinct, so no ties)
+            pos = torch.arange(h.shape[1], device=h.device)
+            last = (pos * attention_mask.long()).argmax(-1)
+        # The head is linear, so read the B last hidden states first and apply it to B vectors, not B*T.
+        return self.score(h[torch.arange(h.shape[0], device=h.device), last]).squeeze(-1)
+
+
 def compile_layers(model: nn.Module, backend="inductor"):
     """torch.compile each decoder layer's forward, in place (verl's `use_torch_compile`; the trainer asks
     for it on CUDA only). What it buys: the layer's elementwise work (RoPE, SiLU x up, residual adds,

@@ -1,5 +1,10 @@
-"""After each step: validation, the NaN guard, the KL monitor's actions, the reference check,
-checkpoint and log; and the end of the run.
+"""Around each step: a reward function that fails inside it; after it, validation, the NaN guard,
+the KL monitor's actions, the reference check, checkpoint and log; and the end of the run.
+
+`take_step(step_fn, run, step)` runs train_ppo's step; a reward function that fails in it
+(reward_fn.RewardError, on every rank) puts back the RNG and both KL controllers as they were
+when the step started, saves a checkpoint of the steps done, and stops the run with one line
+naming the function, the row and the checkpoint (exit 1): the resume runs the step again.
 
 ppo_step (train_ppo.py) returns the step's metrics; `end_step(run, step, metrics)` decides what the
 run does with them before the next step, in this order, and says whether the run goes on:
@@ -23,8 +28,9 @@ run does with them before the next step, in this order, and says whether the run
                       without its row. A stop (monitor, reference) saves an unhealthy checkpoint the
                       same way and ends the run; a preemption ends it after its save
 
+A reward function that fails in validation stops the run the same way, its step done and logged.
 `finish(run)` is the end of every run, however it ended: train_ppo's last line, and the NaN stop
-above before it raises. Messages go through tqdm.write on rank 0 (`_say`), under the progress bar.
+above before it raises; it returns the run's exit status. Messages go through tqdm.write on rank 0 (`_say`), under the progress bar.
 """
 
 import sys
@@ -34,21 +40,52 @@ import torch
 from tqdm import tqdm
 
 from nanokl.harness import ref_check, remedies, summary
+from nanokl.harness.checkpoint import rng_state, set_rng_state
 from nanokl.harness.config.build import config_to_dict
+from nanokl.harness.faults import INTERRUPTED
 from nanokl.harness.generations import dump_rollout, gather, pick_val_generations
 from nanokl.harness.metrics import timer
+from nanokl.harness.reward_fn import RewardError
 from nanokl.harness.run_state import TrainingStopped, _restore, release_lock, save
-from nanokl.harness.scoring import validate
+from nanokl.harness.scoring import evaluate
 
 MAX_NAN_STEPS = 3  # consecutive steps with a skipped (non-finite) update before the run stops
 
 
+def take_step(step_fn, run, step) -> dict:
+    """step_fn(run, step), the step's metrics; a reward function that fails in it stops the run
+    (reward_stop) with the state as the step found it, so that the resume runs the step again."""
+    rng, ctrls = rng_state(), (run.kl_ctrl.state_dict(), run.kl_loss_ctrl.state_dict())
+    try:
+        return step_fn(run, step)
+    except RewardError as e:  # no update happened (ReMax scores again after beta moved)
+        set_rng_state(rng)
+        run.kl_ctrl.load_state_dict(ctrls[0])
+        run.kl_loss_ctrl.load_state_dict(ctrls[1])
+        reward_stop(run, step, e)
+
+
+def reward_stop(run, done, error, before_commit=None):
+    """A reward function failed (reward_fn.RewardError, on every rank): checkpoint the `done` steps,
+    as the NaN stop does, and stop with one line naming the function, the row and the checkpoint."""
+    path = save(run, done, healthy=False, before_commit=before_commit)
+    run.ended = (f"reward function error in step {done + 1}" if before_commit is None else
+                 f"reward function error in the validation after step {done}")
+    finish(run)
+    if before_commit is None:  # in the step: its update had not happened, and the resume redoes it
+        raise TrainingStopped(f"stopped in step {done + 1}: {error}; checkpoint saved to {path} (the "
+                              f"{done} steps done: the same command resumes there and runs step "
+                              f"{done + 1} again)") from None
+    raise TrainingStopped(f"stopped in the validation after step {done}: {error}; checkpoint saved to "
+                          f"{path} (the same command resumes after that step)") from None
+
+
 def validation(run, step) -> dict:
-    """validate() at global step `step`, keeping what it wrote as the config asks (harness/generations.py):
+    """scoring.evaluate() at global step `step`, keeping what it wrote as the config asks (harness/generations.py):
     trainer.log_val_generations samples to the tracker, all of them to trainer.validation_data_dir."""
     t = run.cfg.trainer
     samples = [] if t.log_val_generations > 0 or t.validation_data_dir else None
-    metrics = validate(run.rollout_model, run.tok, run.val, run.cfg, run.device, run.ref, samples=samples)
+    metrics = evaluate(run.rollout_model, run.tok, run.val, run.cfg, run.device, run.ref, samples=samples)
     if samples is not None:  # every rank takes part in the gathers; rank 0 writes
         if t.log_val_generations > 0:
             run.tracker.log_generations(pick_val_generations(gather(samples), t.log_val_generations), step)
@@ -89,9 +126,12 @@ def end_step(run, step, metrics) -> bool:
     if run.profiler is not None:
         run.profiler.saw(metrics)  # its summary reads the step's timing_s/* once the step is over
     if run.val and t.test_freq > 0 and (done % t.test_freq == 0 or last):
-        with timer(metrics, "testing", run.device):
-            metrics.update(validation(run, done))
-    if run.kl_ctrl.kind == "adaptive" and run.cfg.algorithm.use_kl_in_reward:
+        try:
+            with timer(metrics, "testing", run.device):
+                metrics.update(validation(run, done))
+        except RewardError as e:  # after the update: the step is done, its row logged with it
+            reward_stop(run, done, e, before_commit=lambda: run.tracker.log(metrics, step=done))
+    if run.kl_ctrl.type == "adaptive" and run.cfg.algorithm.use_kl_in_reward:
         metrics["actor/target_kl"] = run.kl_ctrl.target  # moves with a schedule or an adjust
     run.nan_streak = run.nan_streak + 1 if metrics["actor/nan_skipped"] else 0
     if run.nan_streak >= MAX_NAN_STEPS:
@@ -115,7 +155,7 @@ def end_step(run, step, metrics) -> bool:
                 _say(run, "kl_monitor: no healthy checkpoint to roll back to; stopping")
             else:
                 _say(run, f"kl_monitor: rolled back to {back} ({run.cfg.trainer.kl_monitor.rollback_recipe}); beta is "
-                          f"now {run.kl_ctrl.value:.4g} ({run.kl_ctrl.kind})")
+                          f"now {run.kl_ctrl.value:.4g} ({run.kl_ctrl.type})")
     changed = ref_check.recheck(run, done, metrics)  # every ref_check_freq steps: is the reference unchanged?
     if "stop" in actions or changed:
         path = save(run, done, healthy=False, before_commit=_log_row(run, metrics, done))
@@ -141,13 +181,16 @@ def end_step(run, step, metrics) -> bool:
     return True
 
 
-def finish(run):
+def finish(run) -> int:
     """The end of a run, however it ended (main's last line; a NaN stop calls it before raising): close
     the tracker, then rank 0 writes summary.json beside metrics.jsonl and prints the summary
-    (nanokl/harness/summary.py)."""
+    (nanokl/harness/summary.py). Returns the exit status: 0, or 130 when Ctrl-C ended the run after a
+    step and its checkpoint."""
     if run.profiler is not None:
         run.profiler.close()  # a trace still open: the run stopped inside a profiled step
     run.tracker.close()
     if run.rank == 0:
         summary.report(run.run_dir, config_to_dict(run.cfg), run.ended or "finished")
         release_lock(run.run_dir)  # the folder is free for the next run
+    interrupted = run.ended is not None and run.preempt is not None and run.preempt.signal == "SIGINT"
+    return INTERRUPTED if interrupted else 0

@@ -29,7 +29,7 @@ a truth the policy cannot game: with a rule reward and no held-out accuracy it d
 are strict (">"), NaN fails, an absent metric skips its check, as in monitor.py.
 
 Remedies (each check has `<check>_action` and `<check>_adjust` like the others, monitor.py):
-length_drift and degenerate raise kl_coef x1.5 (hold the policy near the reference, whose text was
+length_drift and degenerate raise kl_weight x1.5 (hold the policy near the reference, whose text was
 fine), ratio_band halves the actor's learning rate (the step size is the cause). Rollback returns
 to the last healthy checkpoint, where the text was still sound.
 
@@ -48,7 +48,6 @@ VAL_SUFFIX = "/acc/mean@1"  # val-core/<source>/acc/mean@1: the held-out accurac
 REPETITION_KEY = "response_repetition/mean"
 CLIP_KEY = "response_length/clip_ratio"
 RATIO_KEY = "actor/ratio_out_band"
-CHECKS = ("length_drift", "degenerate", "ratio_band")
 RATIO_BAND = (0.8, 1.2)  # the offline-RLHF article's band for π/π_old
 
 

@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanokl.harness.config.yaml_io import UserError
-from nanokl.engine.model import CausalLM, ModelConfig, ValueModel, rope_inv_freq
+from nanokl.engine.model import CausalLM, ModelConfig, RewardModel, ValueModel, rope_inv_freq
 
 # architecture name in config.json -> (model_type, head): "lm" a causal LM, "value" a scalar head
 # at every position (the critic), "reward" a bias-free scalar head at the last token (reward model)
@@ -278,3 +278,35 @@ def save_pretrained(model, path, dtype=None, state_dict=None):
     out_dtype = dtype or next(iter(sd.values())).dtype
     (path / "config.json").write_text(json.dumps(hf_config(cfg, head, out_dtype), indent=2))
     save_tensors(sd, path, dtype)
+
+
+def require_model_dir(path, key="actor_rollout_ref.model.path") -> None:
+    """A one-line UserError when the model directory `path` (set by `key`) does not exist."""
+    if not Path(path).is_dir():
+        raise UserError(f"model directory {str(Path(path))!r} does not exist ({key})")
+
+
+NORM_FILE = "reward_normalization.json"  # a reward model's (r - mean) / std, beside its weights
+
+
+def load_reward_model(path, device=None, dtype=None, seed=0) -> RewardModel:
+    """A reward model directory (with its normalisation when reward_normalization.json is there),
+    or a causal LM whose LM head is swapped for a fresh, bias-free `score` row (drawn with `seed`)."""
+    _, head = read_config(path)
+    if head == "value":
+        raise CheckpointError(f"{path}: a value model (ForTokenClassification), not a reward model or causal LM")
+    rm = load_scalar_head(RewardModel, path, device, dtype, bias=False, seed=seed)
+    norm = Path(path) / NORM_FILE
+    if head == "reward" and norm.is_file():
+        stats = json.loads(norm.read_text())
+        rm.reward_mean, rm.reward_std = float(stats["mean"]), float(stats["std"])
+    return rm
+
+
+def save_reward_model(rm, path, tokenizer=None, info=None):
+    """HF weights + config.json (+ tokenizer) + reward_normalization.json {mean, std, **info}."""
+    save_pretrained(rm, path)
+    if tokenizer is not None:
+        tokenizer.save(path)
+    stats = {"mean": rm.reward_mean, "std": rm.reward_std, **(info or {})}
+    (Path(path) / NORM_FILE).write_text(json.dumps(stats, indent=2))

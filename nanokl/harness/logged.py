@@ -42,7 +42,9 @@ import random
 
 import torch
 
-from nanokl.harness.data import DataError, _chat_prompt, build_prompts, read_examples, step_seed
+from nanokl.harness.data import build_prompts, step_seed
+
+from nanokl.tasks.rows import DataError, _chat_prompt, read_examples
 from nanokl.harness.tokenizer import apply_template
 from nanokl.rollout import RolloutOutput
 

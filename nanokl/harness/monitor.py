@@ -46,7 +46,7 @@ exploration. A reward variance far above the reference's (a normalised reward mo
 reference samples, nanokl/supervised/reward_model.py) is the signature of reward hacking. KL above kl_stop
 for several steps in a row is a run the controller has lost.
 
-Warning is not acting. The article warns outside 0.02-0.08 but acts only at KL > 0.15 (kl_coef
+Warning is not acting. The article warns outside 0.02-0.08 but acts only at KL > 0.15 (kl_weight
 +50%) and KL < 0.01 (lower target_kl). So kl_band has two act thresholds, kl_high_act (0.15) and
 kl_low_act (0.01): outside [kl_low, kl_high] the band warns; its adjust or rollback fires only beyond
 the act threshold of that side, and between the edge and it the event is a warning that says so. A
@@ -72,15 +72,15 @@ check fails; `adjust` applies it. Each check has a rule `<check>_adjust` (kl_ban
 kl_high_adjust and kl_low_adjust): a knob, and a factor to multiply it by or a value to set it to.
 The defaults are the article's prescriptions:
 
-  KL above the band          kl_coef x 1.5                (beta in the reward and/or the KL loss's weight)
+  KL above the band          kl_weight x 1.5                (beta in the reward and/or the KL loss's weight)
   KL below it, score rising  target_kl x 0.7              (the adaptive controller's target; a KL below
                                                            the band while the score still rises: the
                                                            policy learns without needing the room)
   KL variance high           kl_type -> low_var_kl+       (the KL estimator in use: actor.kl_loss_type
                                                            with a KL loss, else algorithm.kl_penalty)
   entropy low                entropy_coeff -> 0.01        (the entropy bonus)
-  collapse                   kl_coef x 1.2
-  (ours) reward variance high  kl_coef x 1.5; critic weak  critic_lr x 2; kl_stop  kl_coef x 2
+  collapse                   kl_weight x 1.2
+  (ours) reward variance high  kl_weight x 1.5; critic weak  critic_lr x 2; kl_stop  kl_weight x 2
 Escalation (trainer.kl_monitor.escalation, default "reference"): when the KL is above kl_high_act and
 kl_high_adjust's knob sits at its limit (at it, not merely cooling down), the adjust turns
 kl_high_escalate instead, actor_lr x 0.5 (never below 1e-6, at most every 5 steps, as beta), and under
@@ -136,6 +136,7 @@ import math
 from typing import NamedTuple
 
 from nanokl.harness import hacking
+from nanokl.harness.config.nanokl_keys import CHECKS
 
 KL_KEYS = ("actor/reward_kl_penalty", "actor/kl_loss")  # the first present is the step's KL
 KL_VAR_KEY = "actor/reward_kl_var"
@@ -144,10 +145,7 @@ REWARD_VAR_KEY = "critic/score/var"
 EV_KEY = "critic/vf_explained_var"
 SCORE_KEY = "critic/score/mean"
 
-CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "collapse", "critic", *hacking.CHECKS,
-          "kl_stop")  # the order events come in
 GRAVITY = {"warn": 1, "adjust": 2, "rollback": 3, "stop": 4}  # health word = the gravest action fired
-KNOBS = ("kl_coef", "target_kl", "kl_type", "entropy_coeff", "actor_lr", "critic_lr")  # what `adjust` may turn
 
 
 class Event(NamedTuple):

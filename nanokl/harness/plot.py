@@ -22,7 +22,7 @@ from nanokl.harness.config.yaml_io import UserError, run_cli
 from nanokl.harness.tracking import read_metrics
 
 
-def series(rows, key):
+def curve(rows, key):
     """(steps, values) of one metric over the rows that have a number for it."""
     pts = [(r["training/global_step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
@@ -45,9 +45,9 @@ def plot_run(run_dir, out=None) -> Path:
 
     fig, axes = plt.subplots(5, 1, figsize=(8, 12), sharex=True)
     ax = axes[0]
-    x, y = series(rows, "actor/reward_kl_penalty")
+    x, y = curve(rows, "actor/reward_kl_penalty")
     ax.plot(x, y, label="KL (per token, in reward)")
-    x2, y2 = series(rows, "actor/kl_loss")
+    x2, y2 = curve(rows, "actor/kl_loss")
     if y2:
         ax.plot(x2, y2, label="KL loss", alpha=0.7)
     if kl_ctrl.get("type") == "adaptive":
@@ -60,15 +60,15 @@ def plot_run(run_dir, out=None) -> Path:
     panels = [("actor/reward_kl_penalty_coeff", "beta (KL coef)"), ("critic/score/mean", "train score"),
               ("actor/entropy", "entropy")]
     for ax, (key, label) in zip(axes[1:4], panels):
-        ax.plot(*series(rows, key), label=label)
+        ax.plot(*curve(rows, key), label=label)
         ax.set_ylabel(label)
-    x, y = series(rows, "critic/rule_score/mean")
+    x, y = curve(rows, "critic/rule_score/mean")
     if y:  # a learned reward: the rule's verdict on the same rollouts, where reward hacking shows
         axes[2].plot(x, y, label="rule score (same rollouts)")
         axes[2].legend(loc="lower right", fontsize=8)
     ax = axes[4]
     for key in sorted({k for r in rows for k in r if k.startswith("val-core/") and k.endswith("acc/mean@1")}):
-        ax.plot(*series(rows, key), marker="o", label=key.split("/")[1])
+        ax.plot(*curve(rows, key), marker="o", label=key.split("/")[1])
     ax.legend(loc="lower right", fontsize=8)
     ax.set_ylabel("held-out acc (greedy)")
     ax.set_xlabel("PPO step")

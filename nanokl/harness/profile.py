@@ -20,7 +20,7 @@ activity too when the run is on a GPU. From the roles' own `profiler` sections
 (`cpu`, `cuda`: which activities; `stack`, `shapes`, `memory`: with_stack, record_shapes,
 profile_memory). nanokl's roles share one process per GPU, so one trace covers all of them; the
 per-role switches (`enable`, `discrete`) have no counterpart and keep their start-up note
-(notes.VERL_NOTES: with no step chosen nothing is recorded, as in verl), and `notes` gives
+(notes.VERL_NOTES: with no step chosen nothing is recorded, as in verl), and config/notes.py's `profiler_notes` gives
 one for a tool other than torch (nsys, npu, torch_memory: their options in global_tool_config
 change nothing) and for `profile_continuous_steps` (one trace per step here).
 A bad steps value stops the run at start-up in one line.
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanokl.harness.config.yaml_io import UserError
+from nanokl.harness.config.notes import chosen_steps
 
 ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic", "reward_model")
 TOP_OPS = 8  # ops listed in the summary, by self time
@@ -55,35 +55,7 @@ def _role_profilers(cfg):
     return [(role, _section(cfg, f"{role}.profiler")) for role in ROLES]
 
 
-def chosen_steps(cfg) -> tuple[list[int], str | None]:
-    """(the global steps to profile, the key that chose them): global_profiler.steps, else verl's
-    older trainer.profile_steps; ([], None) when neither is set. A bad value is refused in one line."""
-    g = cfg.global_profiler if isinstance(cfg.global_profiler, dict) else {}
-    for key, value in (("global_profiler.steps", g.get("steps")),
-                       ("trainer.profile_steps", getattr(cfg.trainer, "profile_steps", None))):
-        if value is None:
-            continue
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = [value]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
-                                                            for s in value):
-            raise UserError(f"{key}={value!r}: expected a list of global steps, counted from 1 (e.g. {key}=[1,5])")
-        return sorted(set(value)), key
-    return [], None
 
-
-def notes(cfg) -> list[str]:
-    """Start-up notes for the profiler keys nanokl accepts but does not honour (notes.startup_notes)."""
-    g = cfg.global_profiler if isinstance(cfg.global_profiler, dict) else {}
-    chosen_steps(cfg)  # a bad value: refused at start-up
-    lines = []
-    tool = g.get("tool")
-    if tool not in (None, "torch"):
-        lines.append(f"note: global_profiler.tool={tool!r}: nanokl records the chosen steps with torch.profiler "
-                     "(a chrome trace per step, nanokl/harness/profile.py), not " + str(tool))
-    if g.get("profile_continuous_steps"):
-        lines.append("note: global_profiler.profile_continuous_steps=True: nanokl writes one trace per chosen step")
-    return lines
 
 
 def _flags(cfg, rank):

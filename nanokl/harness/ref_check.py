@@ -132,7 +132,7 @@ def check_setup(run):
         raise TrainingStopped(f"reference check at setup: {cause or 'another rank found the reference not frozen'}")
 
 
-def record(run):
+def record_probe(run):
     """The reference's log-probs on the probe batch now: (batch, log-probs), or None (no probe)."""
     km = run.cfg.trainer.kl_monitor
     if not km.enable or km.ref_check_freq <= 0:

@@ -6,7 +6,7 @@ reads: the two KL controllers (run.kl_ctrl: beta in the reward and its target; r
 the KL loss's weight), the actor's loss settings and the optimizers' learning rates.
 
     knob            what it is in the run                                   restored on resume by
-    kl_coef         beta (run.kl_ctrl.value), and the KL loss's weight       the controllers' state
+    kl_weight       beta (run.kl_ctrl.value), and the KL loss's weight       the controllers' state
                     (run.kl_loss_ctrl.value) scaled by the same ratio
     target_kl       the adaptive controller's target (its `scale` times      the controller's state
                     the schedule's target)
@@ -49,9 +49,9 @@ def knobs(run) -> dict:
     """The current value of each knob that exists in this run."""
     a, alg, out = _actor_cfg(run), run.cfg.algorithm, {}
     if alg.use_kl_in_reward or a.use_kl_loss:
-        out["kl_coef"] = run.kl_ctrl.value if alg.use_kl_in_reward else run.kl_loss_ctrl.value
+        out["kl_weight"] = run.kl_ctrl.value if alg.use_kl_in_reward else run.kl_loss_ctrl.value
         out["kl_type"] = a.kl_loss_type if a.use_kl_loss else alg.kl_penalty
-    if alg.use_kl_in_reward and run.kl_ctrl.kind == "adaptive":
+    if alg.use_kl_in_reward and run.kl_ctrl.type == "adaptive":
         out["target_kl"] = run.kl_ctrl.target
     out["entropy_coeff"] = float(a.entropy_coeff)
     out["actor_lr"] = float(run.actor_sched.base_lrs[0])
@@ -69,15 +69,14 @@ def set_lr(opt, sched, lr):
 
 def set_knob(run, knob, old, new):
     a, alg = _actor_cfg(run), run.cfg.algorithm
-    if knob == "kl_coef":  # both KL weights by the same ratio: they live on different scales
+    if knob == "kl_weight":  # both KL weights by the same ratio: they live on different scales
         if alg.use_kl_in_reward:
-            run.kl_ctrl.value = new
+            run.kl_ctrl.set_value(new)
         if a.use_kl_loss:
             scaled = alg.use_kl_in_reward and old  # from 0 there is no ratio: both take the new value
-            run.kl_loss_ctrl.value = run.kl_loss_ctrl.value * new / old if scaled else new
+            run.kl_loss_ctrl.set_value(run.kl_loss_ctrl.value * new / old if scaled else new)
     elif knob == "target_kl":
-        run.kl_ctrl.scale *= new / old
-        run.kl_ctrl.target = new
+        run.kl_ctrl.set_target(new, old)
     elif knob == "kl_type":
         if a.use_kl_loss:
             a.kl_loss_type = new
@@ -141,9 +140,9 @@ def rollback(run, restore_checkpoint):
         run.monitor.stop_armed = True
     else:
         if alg.use_kl_in_reward:  # beta as it is now or was then, whichever is larger, times the factor
-            run.kl_ctrl.value = max(run.kl_ctrl.value, state["kl_ctrl"]["value"], km.rollback_min_beta) * \
-                km.rollback_beta_factor
+            run.kl_ctrl.set_value(max(run.kl_ctrl.value, state["kl_ctrl"]["value"], km.rollback_min_beta) *
+                                  km.rollback_beta_factor)
         if a.use_kl_loss:
-            run.kl_loss_ctrl.value = max(run.kl_loss_ctrl.value, km.rollback_min_beta) * km.rollback_beta_factor
+            run.kl_loss_ctrl.set_value(max(run.kl_loss_ctrl.value, km.rollback_min_beta) * km.rollback_beta_factor)
     run.monitor.rolled_back()
     return path

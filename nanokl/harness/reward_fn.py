@@ -22,7 +22,7 @@ Which function (`scorer`), in this order:
      refused (`reward_value`).
   2. `data.task`, when set: that task's rule for every row (nanokl's tasks; nanokl/tasks/).
   3. Otherwise each row's data_source picks the rule, as verl's `default_compute_score` does
-     (verl/utils/reward_score/__init__.py): nanokl/tasks/ `SOURCES` maps "openai/gsm8k" to GSM8K's
+     (verl/utils/reward_score/__init__.py): nanokl/tasks/by_source.py's `SOURCE_TASKS` maps "openai/gsm8k" to GSM8K's
      `#### N` match and "arith" to the arithmetic task's. A data_source with no rule is refused
      when the data load (`check_sources`: one line naming the known ones), not at the first step.
 
@@ -68,10 +68,12 @@ from pathlib import Path
 import torch
 
 from nanokl.engine import dist
+from nanokl.harness.config.verl_keys import REWARD_MANAGERS
 from nanokl.harness.config.yaml_io import UserError
-from nanokl.harness.data import DataError, where_of
+from nanokl.tasks.rows import DataError, where_of
 from nanokl.harness.run_state import TrainingStopped
-from nanokl.tasks import get_task, source_task
+from nanokl.tasks import get_task
+from nanokl.tasks.by_source import source_task
 
 
 class RewardError(TrainingStopped):
@@ -305,12 +307,13 @@ def naive(score, texts, examples) -> list[float]:
 
 # reward_model.reward_manager -> its loop. verl's `prime` calls the same function on the same
 # responses, only in parallel processes: the same scores, so it is the naive loop here
-REWARD_MANAGERS = {"naive": naive, "prime": naive, "dapo": naive}  # each scores one response at a time
+# verl's reward_manager names nanokl takes (config/verl_keys.py): each scores one response at a time
+MANAGERS = dict.fromkeys(REWARD_MANAGERS, naive)
 
 
 def manager(cfg):
     """reward_model.reward_manager's loop."""
     name = cfg.reward_model.reward_manager
-    if name not in REWARD_MANAGERS:
-        raise UserError(f"reward_model.reward_manager={name} is not in nanokl (known: {', '.join(REWARD_MANAGERS)})")
-    return REWARD_MANAGERS[name]
+    if name not in MANAGERS:
+        raise UserError(f"reward_model.reward_manager={name} is not in nanokl (known: {', '.join(MANAGERS)})")
+    return MANAGERS[name]

@@ -82,7 +82,7 @@ def resume(run, ckpt):
     scheds, state = _restore(run, ckpt)
     for name, _, _, sched in _models(run):
         sched.load_state_dict(scheds[f"{name}_sched"])
-    if state["kl_ctrl"].get("type") == "fixed" and run.kl_ctrl.kind != "fixed":  # the fixed_kl rollback froze it
+    if state["kl_ctrl"].get("type") == "fixed" and run.kl_ctrl.type != "fixed":  # the fixed_kl rollback froze it
         run.kl_ctrl = FixedKLController(state["kl_ctrl"]["value"])
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
     if "kl_loss_ctrl" in state:  # a rollback may have raised it
@@ -217,7 +217,7 @@ def _release_all():  # a run that raised after its setup (a failed checkpoint wr
 SHAPES = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
 # paths compare as absolute paths (the same model from another working directory is the same model)
-PATH_KEYS = {"path", "tokenizer_path", "train_files", "val_files", "offline_files", "output_dir", "data_path",
+PATH_LEAVES = {"path", "tokenizer_path", "train_files", "val_files", "offline_files", "output_dir", "data_path",
              "val_data_path", "hf_config_path", "lora_adapter_path", "rollout_data_dir", "validation_data_dir",
              "default_local_dir", "resume_from_path", "input_tokenizer"}
 # never compared: where the run lives and how it resumes; the stages before RL (their output is the model path)
@@ -272,7 +272,7 @@ def model_shapes(path) -> dict:
 def run_record(cfg) -> dict:
     """What this run is started with, as a checkpoint keeps it (run.json): the config (flat, dotted keys;
     paths absolute), the SHA-256 of the policy's tokenizer.json and its model's shapes."""
-    config = {k: _absolute(v) if k.rsplit(".", 1)[-1] in PATH_KEYS else v
+    config = {k: _absolute(v) if k.rsplit(".", 1)[-1] in PATH_LEAVES else v
               for k, v in _flat(config_to_dict(cfg))}
     tok = Path(cfg.actor_rollout_ref.model.tokenizer_path) / "tokenizer.json"
     return {"config": json.loads(json.dumps(config)), "tokenizer_sha256": _sha256(tok) if tok.is_file() else None,

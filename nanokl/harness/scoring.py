@@ -44,10 +44,12 @@ tests/test_dict_rewards.py, dict rewards in the step and in validation against v
 
 import math
 import numbers
+from pathlib import Path
 
 import torch
 
 from nanokl.engine import dist, shard
+from nanokl.tasks.rows import UserError
 from nanokl.kl import kl_penalty
 from nanokl.kl_probe import probe_stats
 from nanokl.masked import masked_mean
@@ -56,22 +58,26 @@ from nanokl.forwards import compute_log_probs
 from nanokl.harness import reward_fn
 from nanokl.harness.data import encode_prompts
 from nanokl.harness.generations import dump_rollout, gather, prompt_texts
+from nanokl.harness.hf_format import load_reward_model
 from nanokl.harness.metrics import add_stats
 from nanokl.harness.val_metrics import prompt_metrics, source_metrics
 from nanokl.rollout import generate
-from nanokl.supervised.reward_model import keep_last_tokens, score_with_rm
+
+
+def sampling_settings(cfg, tok) -> dict:
+    """generate's keyword arguments for the rollout's sampling (actor_rollout_ref.rollout) and the
+    tokenizer's end and pad tokens."""
+    ro = cfg.actor_rollout_ref.rollout
+    return dict(eos_token_id=tok.eos_token_ids, pad_token_id=tok.pad_token_id, temperature=ro.temperature,
+                top_k=ro.top_k, top_p=ro.top_p, do_sample=ro.do_sample, use_cuda_graph=ro.use_cuda_graph)
 
 
 def sample(model, tok, examples, cfg, device, *, n=1, generator=None, **sampling):
     """n responses to each example's prompt (encoded as data.* asks) from `model`, with the rollout's
-    sampling settings (actor_rollout_ref.rollout) unless `sampling` overrides them (validation's
-    val_kwargs, ReMax's greedy pass)."""
-    ro = cfg.actor_rollout_ref.rollout
+    sampling settings unless `sampling` overrides them (validation's val_kwargs, ReMax's greedy pass)."""
     ids, mask = encode_prompts(examples, tok, cfg.data, device)
-    settings = dict(temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p, do_sample=ro.do_sample,
-                    use_cuda_graph=ro.use_cuda_graph) | sampling
-    return generate(shard.unwrap(model), ids, mask, ro.response_length, eos_token_id=tok.eos_token_ids,
-                    pad_token_id=tok.pad_token_id, generator=generator, n=n, **settings)
+    return generate(shard.unwrap(model), ids, mask, cfg.actor_rollout_ref.rollout.response_length,
+                    generator=generator, n=n, **(sampling_settings(cfg, tok) | sampling))
 
 
 def score_batch(tok, out, examples, cfg, rm=None, global_step=None, metrics=None):
@@ -119,7 +125,7 @@ def score_batch(tok, out, examples, cfg, rm=None, global_step=None, metrics=None
 
 
 @torch.no_grad()
-def validate(model, tok, val, cfg, device, ref=None, samples=None):
+def evaluate(model, tok, val, cfg, device, ref=None, samples=None):
     """Greedy (val_kwargs) accuracy on the held-out prompts, per data source: val-core/<src>/acc/mean@n,
     the "acc" of a dict reward (verl's core variable), else the score. Rank r scores prompts r, r+W,
     r+2W, ...; the sums are reduced over ranks. With val_kwargs.n > 1, also verl's best@k / worst@k /
@@ -155,7 +161,7 @@ def validate(model, tok, val, cfg, device, ref=None, samples=None):
 
 
 def _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, totals, prompts, samples):
-    """validate's loop over this rank's held-out prompts, val_batch_size at a time: adds to `totals`,
+    """evaluate's loop over this rank's held-out prompts, val_batch_size at a time: adds to `totals`,
     `prompts` and `samples` in place."""
     d, vk, ob = cfg.data, cfg.actor_rollout_ref.rollout.val_kwargs, cfg.reward_model.overlong_buffer
     shapes = {}  # data source -> what its first response returned (_shape)
@@ -241,3 +247,42 @@ def on_policy_kl(model, ref, tok, val, cfg, device) -> dict:
         moments += torch.stack([per_response.sum(), (per_response ** 2).sum(), torch.tensor(float(len(per_response)))])
     kl, se = probe_stats(dist.all_reduce(moments))
     return {} if math.isnan(kl) else {"val-aux/kl_on_policy": kl, "val-aux/kl_on_policy_se": se}
+
+
+# The learned reward model at work (trained by nanokl/supervised/reward_model.py)
+
+def load_rm(cfg, device):
+    """The learned reward model a run scores with (reward_model.enable), refused when it was trained on
+    another tokenizer than the policy's: it reads the policy's token ids."""
+    rm_path = cfg.reward_model.model.path
+    rm = load_reward_model(rm_path, device=device).eval()
+    rm_tok = Path(rm_path) / "tokenizer.json"
+    policy_tok = Path(cfg.actor_rollout_ref.model.tokenizer_path) / "tokenizer.json"
+    if rm_tok.is_file() and rm_tok.read_bytes() != policy_tok.read_bytes():  # it reads the policy's token ids
+        raise UserError(f"the reward model at {rm_path} was trained with another tokenizer than the policy's "
+                        f"({policy_tok}); retrain it: python -m nanokl.supervised.reward_model --config ...")
+    return rm
+
+
+@torch.no_grad()
+def raw_rewards(rm, sequences, attention_mask, micro_batch_size=None) -> torch.Tensor:
+    """[N] un-normalised rewards, `micro_batch_size` rows per forward (None: all at once)."""
+    step = micro_batch_size or len(sequences)
+    return torch.cat([rm(sequences[i:i + step], attention_mask[i:i + step]).float()
+                      for i in range(0, len(sequences), step)])
+
+
+def keep_last_tokens(attention_mask, max_length=None):
+    """The mask with only each row's last `max_length` real tokens kept (reward_model.max_length):
+    the reward model reads the end of the response, so a long prompt loses its beginning. Masked
+    tokens count as padding, and position ids restart from the first kept token."""
+    if max_length is None:
+        return attention_mask
+    from_end = attention_mask.flip(-1).cumsum(-1).flip(-1)  # real tokens at or after each position
+    return attention_mask * (from_end <= max_length)
+
+
+def score_with_rm(rm, sequences, attention_mask, micro_batch_size=None) -> torch.Tensor:
+    """[N] normalised rewards (r - mean) / std of the rollout's [prompt | response] sequences; PPO
+    puts each on its response's last token (harness/scoring.token_level_scores)."""
+    return (raw_rewards(rm, sequences, attention_mask, micro_batch_size) - rm.reward_mean) / rm.reward_std

@@ -1,61 +1,95 @@
 """The parts of a PPO step that really vary between configs, each chosen once in setup.
 
 train_ppo.py's `ppo_step` is one path, with a plain named `if` where a config turns a step on or
-off (a critic, the KL in the reward, critic warm-up). Four steps have real alternatives, and
-`choose(cfg)` picks one function for each; the step calls `run.<part>`:
+off (a critic, the KL in the reward, critic warm-up). Four steps have real alternatives; `choose`
+picks one function for each, bound to the run, and the step calls `run.<part>(...)`. Each part's
+type below (a Protocol: its call signature) names the choices:
 
-    part                choices                                              lesson
-    respond             sample_responses (online) | logged_responses          rollout.py / harness/logged.py
-                        (offline: nothing is generated) | sample_kept_groups   sampling.py
-                        (DAPO's dynamic sampling: algorithm.filter_groups)
-    rollout_correction  no_correction | token_weights (truncated per-token     offline.py
-                        weights) | sequence_weights (the response's truncated
-                        product), each optionally followed by rejection
-                        (rollout_rs: tokens leave response_mask)
-    read_kl             logged_kl (the step's own KL; importance-weighted on   offline.py
-                        responses another policy sampled) | probed_kl (plus     kl_probe.py
-                        the smoothed gap to an on-policy probe: algorithm.kl_probe)
-    baselines           no_baselines | greedy_baselines (remax: the score of   advantages.py
-                        each prompt's greedy response)
+    part                step  choices                                               lesson
+    respond             1     sample_responses (online) | logged_responses          rollout.py
+                              (offline: nothing is generated) | sample_kept_groups  sampling.py
+                              (DAPO's dynamic sampling: algorithm.filter_groups)
+    rollout_correction  3     offline.no_correction | token_weights (truncated      offline.py
+                              per-token weights) | sequence_weights (the response's
+                              truncated product), each optionally followed by
+                              offline.rejection (rollout_rs: tokens leave the mask)
+    read_kl             4     offline.logged_kl (the step's own KL; importance-     offline.py
+                              weighted on responses another policy sampled) |       kl_probe.py
+                              probed_kl (plus the smoothed gap to an on-policy
+                              probe: algorithm.kl_probe)
+    baselines           5     no_baselines | greedy_baselines (remax: the score of  advantages.py
+                              each prompt's greedy response)
 
-Beside them, what the step calls for its optional work: `exact_kl` (kl_penalty `full`: the KL over
-the vocabulary from both models' logits) and `reward_kl_metrics` (what the KL monitor reads of the
-reward's KL). A part that does work times itself as
+The corrections and the KL the controller reads are the lessons' own functions (offline.py,
+kl_probe.py), bound here to the config and to a sum over ranks; what needs the run (its prompts,
+models, tokenizer) stays here. Beside them, what the step calls for its optional work: `exact_kl`
+(kl_penalty `full`: the KL over the vocabulary from both models' logits) and `reward_kl_metrics`
+(what the KL monitor reads of the reward's KL). A part that does work times itself as
 `timing_s/<name>` in the step's metrics.
 """
 
 import functools
 import itertools
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from nanokl import forwards
-from nanokl.engine import dist, shard
+from nanokl import forwards, offline
 from nanokl.advantages import ESTIMATORS
+from nanokl.engine import dist, shard
 from nanokl.harness.data import encode_prompts, rank_rows, step_seed
 from nanokl.harness.logged import draw_responses, logged_batch
 from nanokl.harness.metrics import global_var, timer
 from nanokl.harness.run_state import TrainingStopped
-from nanokl.harness.scoring import sample, score_batch
+from nanokl.harness.scoring import sample, sampling_settings, score_batch
 from nanokl.kl import kl_penalty
 from nanokl.kl_probe import ProbeState, corrected_kl, probe_stats, probe_sums
 from nanokl.masked import masked_mean
-from nanokl.offline import (IS_LEVELS, behaviour_log_probs, is_metrics_from_sums, is_sums, rejection_mask,
-                            rs_metrics_from_sums, rs_sums, weighted_kl)
-from nanokl.rollout import RolloutOutput
+from nanokl.rollout import RolloutOutput, generate
 from nanokl.sampling import GroupBuffer, cat_rows
+
+
+class Respond(Protocol):
+    """Step 1: n responses per prompt of `rows` in a rollout's layout, their log-probs the
+    sampler's (μ's), and each response's example. Choices: sample_responses, logged_responses,
+    sample_kept_groups (below)."""
+    def __call__(self, rows: list[int], step: int, generator: torch.Generator,
+                 metrics: dict) -> tuple[RolloutOutput, list[dict]]: ...
+
+
+class Correct(Protocol):
+    """Step 3: (importance weights or None, the response_mask left after rejection, metrics) of
+    tokens μ sampled. Choices: nanokl/offline.py's no_correction, token_weights,
+    sequence_weights, rejection."""
+    def __call__(self, batch: dict, rollout_log_probs: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, dict]: ...
+
+
+class ReadKL(Protocol):
+    """Step 4: the KL the controller reads, from the per-token KL and the step's plain mean
+    `current`. Choices: nanokl/offline.py's logged_kl, probed_kl (below)."""
+    def __call__(self, batch: dict, kl: torch.Tensor, current: float, metrics: dict) -> float: ...
+
+
+class Baselines(Protocol):
+    """Step 5: a baseline score per response beyond its group's, or None. Choices: no_baselines,
+    greedy_baselines (below)."""
+    def __call__(self, examples: list[dict], metrics: dict) -> torch.Tensor | None: ...
 
 
 # 1. respond: n responses per prompt in a rollout's layout; out.log_probs are the sampler's (μ's)
 
 def sample_responses(run, rows, step, generator, metrics):
-    """n responses per prompt from the current policy; returns (out, each response's example)."""
-    n = run.cfg.actor_rollout_ref.rollout.n
+    """n responses per prompt from the current policy (nanokl/rollout.py's generate, with the
+    rollout's sampling settings); returns (out, each response's example)."""
+    ro = run.cfg.actor_rollout_ref.rollout
     examples = [run.train[i] for i in rows]
-    out = sample(run.rollout_model, run.tok, examples, run.cfg, run.device, n=n, generator=generator)
-    return out, [ex for ex in examples for _ in range(n)]
+    ids, mask = encode_prompts(examples, run.tok, run.cfg.data, run.device)
+    out = generate(shard.unwrap(run.rollout_model), ids, mask, ro.response_length, generator=generator,
+                   n=ro.n, **sampling_settings(run.cfg, run.tok))
+    return out, [ex for ex in examples for _ in range(ro.n)]
 
 
 def logged_responses(run, rows, step, generator, metrics):
@@ -124,46 +158,38 @@ def rollout_from_parts(parts) -> RolloutOutput:
                          prompt_length=mask.shape[1])
 
 
-# rollout_correction: importance weights and rejection for responses μ sampled -> (weights, response_mask, metrics)
+# 3 and 4: the corrections and the KL the controller reads are nanokl/offline.py's; the probe's
+# reading is nanokl/kl_probe.py's, given the probe this run takes
 
-def no_correction(run, batch, rollout_log_probs):
-    return None, batch["response_mask"], {}
-
-
-def token_weights(run, batch, rollout_log_probs):
-    """Truncated per-token weights min(π_old/μ, C) (verl's rollout_is=token; nanokl/offline.py)."""
-    return _is_weights(run, batch, rollout_log_probs, "token")
-
-
-def sequence_weights(run, batch, rollout_log_probs):
-    """The response's truncated product min(Π_t π_old/μ, C) on each of its tokens (verl's rollout_is=sequence)."""
-    return _is_weights(run, batch, rollout_log_probs, "sequence")
-
-
-def _is_weights(run, batch, rollout_log_probs, level):
-    rc, mask = run.cfg.algorithm.rollout_correction, batch["response_mask"]
-    mu = behaviour_log_probs(rollout_log_probs, batch["ref_log_probs"])
-    w = IS_LEVELS[level](batch["old_log_probs"], mu, mask, rc.rollout_is_threshold)
-    sums = dist.all_reduce(is_sums(w, mask, rc.rollout_is_threshold))
-    return w, mask, {f"rollout_corr/{k}": v for k, v in is_metrics_from_sums(sums).items()}
-
-
-def rejection(run, batch, rollout_log_probs, weigh=no_correction):
-    """`weigh` (one of the three above), then verl's rejection sampling (rollout_rs): every token whose
-    statistic of log π_old/μ leaves its bounds, or whose response's does, leaves response_mask
-    (nanokl/offline.py's rejection_mask): it weighs nothing in the losses, as in verl, nor in the KL
-    penalty and the KL its controller reads (verl applies the KL penalty before rejection: README,
-    'Where nanokl differs from verl'). Step 5 places the advantages on the kept tokens, but the
-    outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, grpo_passk) still sum each
-    response's score over the rollout's mask (`score_mask`), as verl sums the whole row, so a
-    rejected last token takes no score away; GAE, REINFORCE++ and ReMax run over the kept tokens
-    alone and, as in verl, drop the reward on a rejected token (nanokl/advantages.py, 'Two masks')."""
-    rc = run.cfg.algorithm.rollout_correction
-    w, mask, metrics = weigh(run, batch, rollout_log_probs)
-    mu = behaviour_log_probs(rollout_log_probs, batch["ref_log_probs"])
-    kept = rejection_mask(batch["old_log_probs"], mu, mask, rc.rollout_rs, rc.rollout_rs_threshold)
-    sums = dist.all_reduce(rs_sums(kept, mask))
-    return w, kept, {**metrics, **{f"rollout_corr/rollout_{k}": v for k, v in rs_metrics_from_sums(sums).items()}}
+def probed_kl(run, state, batch, kl, current, metrics):
+    """offline.logged_kl plus the smoothed gap to an on-policy probe (algorithm.kl_probe;
+    nanokl/kl_probe.py): every `every` steps the policy samples `prompts` of the step's prompts
+    (one response each), before the controller moves. Logs the step's estimate
+    (rollout_corr/kl_logged), the probe (kl_probe/kl, its standard error), the gap, what the
+    controller reads (kl_probe/kl_corrected) and the responses and tokens the probe generated so
+    far (kl_probe/responses, kl_probe/tokens)."""
+    cfg, kp = run.cfg, run.cfg.algorithm.kl_probe
+    logged = offline.logged_kl(batch, kl, current, metrics, exact=cfg.algorithm.kl_penalty == "full",
+                               reduce=dist.all_reduce)
+    step, probe = run.start + state.steps, None
+    state.steps += 1
+    if step % kp.every == 0:
+        d, ro = cfg.data, cfg.actor_rollout_ref.rollout
+        rows = rank_rows(len(run.train), d.train_batch_size, step, d.seed, d.shuffle, run.rank, run.world)
+        rows = rows[:math.ceil(kp.prompts / run.world)]
+        with timer(metrics, "kl_probe", run.device):
+            ids, mask = encode_prompts([run.train[i] for i in rows], run.tok, d, device=run.device)
+            gen = torch.Generator(run.device).manual_seed(step_seed(cfg.trainer.seed, step, run.rank + 104729))
+            sums = dist.all_reduce(probe_sums(run.actor, run.ref, shard.unwrap(run.rollout_model), ids, mask, ro,
+                                              cfg.algorithm.kl_penalty, run.tok.eos_token_ids, run.tok.pad_token_id,
+                                              gen, spec=run.specs["old"]).to(run.device)).cpu()
+        probe, se = probe_stats(sums)
+        state.responses, state.tokens = state.responses + int(sums[2]), state.tokens + int(sums[3])
+        metrics.update({"kl_probe/kl": probe, "kl_probe/kl_se": se})
+    read = corrected_kl(state, logged, probe, kp.ema)  # KL_read = l + the smoothed gap (nanokl/kl_probe.py)
+    metrics.update({"rollout_corr/kl_logged": logged, "kl_probe/gap": state.gap, "kl_probe/kl_corrected": read,
+                    "kl_probe/responses": state.responses, "kl_probe/tokens": state.tokens})
+    return read
 
 
 # the KL in the reward (the step computes r_t = score_t - beta * KL_t and moves beta with what read_kl reads)
@@ -189,56 +215,9 @@ def reward_kl_metrics(run, kl, mask, current, beta) -> dict:
             "actor/reward_kl_var": global_var(masked_mean(kl, mask, dim=-1))}
 
 
-def kl_weights(run, batch):
-    """The weights of the KL estimate: the importance weights, or, for the exact KL (no token was sampled
-    for it), weights of 1 on the real tokens; None online."""
-    if batch["is_weights"] is None or run.cfg.algorithm.kl_penalty != "full":
-        return batch["is_weights"]
-    return torch.where(batch["response_mask"].bool(), 1.0, 0.0)
-
-
-def logged_kl(run, batch, kl, current, metrics):
-    """The step's own KL: the plain mean over its responses, or, on responses μ sampled (weights
-    given), the self-normalised importance-weighted estimate of the KL under π (nanokl/offline.py),
-    with the plain mean kept as a metric."""
-    weights = kl_weights(run, batch)
-    if weights is None:
-        return current
-    metrics["rollout_corr/kl_unweighted"] = current
-    return weighted_kl(kl, weights, batch["response_mask"], reduce=dist.all_reduce).item()
-
-
-def probed_kl(run, batch, kl, current, metrics, state):
-    """logged_kl plus the smoothed gap to an on-policy probe (algorithm.kl_probe; nanokl/kl_probe.py):
-    every `every` steps the policy samples `prompts` of the step's prompts (one response each), before
-    the controller moves. Logs the step's estimate (rollout_corr/kl_logged), the probe (kl_probe/kl, its
-    standard error), the gap, what the controller reads (kl_probe/kl_corrected) and the responses and
-    tokens the probe generated so far (kl_probe/responses, kl_probe/tokens)."""
-    cfg, kp = run.cfg, run.cfg.algorithm.kl_probe
-    logged, step, probe = logged_kl(run, batch, kl, current, metrics), run.start + state.steps, None
-    state.steps += 1
-    if step % kp.every == 0:
-        d, ro = cfg.data, cfg.actor_rollout_ref.rollout
-        rows = rank_rows(len(run.train), d.train_batch_size, step, d.seed, d.shuffle, run.rank, run.world)
-        rows = rows[:math.ceil(kp.prompts / run.world)]
-        with timer(metrics, "kl_probe", run.device):
-            ids, mask = encode_prompts([run.train[i] for i in rows], run.tok, d, device=run.device)
-            gen = torch.Generator(run.device).manual_seed(step_seed(cfg.trainer.seed, step, run.rank + 104729))
-            sums = dist.all_reduce(probe_sums(run.actor, run.ref, shard.unwrap(run.rollout_model), ids, mask, ro,
-                                              cfg.algorithm.kl_penalty, run.tok.eos_token_ids, run.tok.pad_token_id,
-                                              gen, spec=run.specs["old"]).to(run.device)).cpu()
-        probe, se = probe_stats(sums)
-        state.responses, state.tokens = state.responses + int(sums[2]), state.tokens + int(sums[3])
-        metrics.update({"kl_probe/kl": probe, "kl_probe/kl_se": se})
-    read = corrected_kl(state, logged, probe, kp.ema)
-    metrics.update({"rollout_corr/kl_logged": logged, "kl_probe/gap": state.gap, "kl_probe/kl_corrected": read,
-                    "kl_probe/responses": state.responses, "kl_probe/tokens": state.tokens})
-    return read
-
-
 # baselines: what an estimator compares each response with beyond its own group (ReMax)
 
-def no_baselines(run, examples, metrics):
+def no_baselines(examples, metrics):
     return None
 
 
@@ -255,15 +234,21 @@ def greedy_baselines(run, examples, metrics):
     return token_scores.sum(-1).repeat_interleave(n)
 
 
-def choose(cfg) -> dict:
-    """The part for each step of this config (the module docstring's table)."""
-    offline, alg = cfg.data.offline_files is not None, cfg.algorithm
-    rc = alg.rollout_correction
-    correction = {None: no_correction, "token": token_weights, "sequence": sequence_weights}[rc.rollout_is]
-    if rc.rollout_rs:
-        correction = functools.partial(rejection, weigh=correction)
+def choose(run) -> tuple[Respond, Correct, ReadKL, Baselines]:
+    """The part for each step of this run's config (the module docstring's table), bound to it."""
+    cfg = run.cfg
+    alg, rc = cfg.algorithm, cfg.algorithm.rollout_correction
     respond = sample_kept_groups if alg.filter_groups.enable else sample_responses
-    read_kl = functools.partial(probed_kl, state=ProbeState()) if alg.kl_probe.enable else logged_kl
-    baselines = greedy_baselines if ESTIMATORS[alg.adv_estimator].needs_greedy_baseline else no_baselines
-    return dict(respond=logged_responses if offline else respond, rollout_correction=correction, read_kl=read_kl,
-                baselines=baselines)
+    respond = logged_responses if cfg.data.offline_files is not None else respond
+    weigh = {None: offline.no_correction, "token": offline.token_weights,
+             "sequence": offline.sequence_weights}[rc.rollout_is]
+    correct = functools.partial(weigh, rc=rc, reduce=dist.all_reduce)
+    if rc.rollout_rs:
+        correct = functools.partial(offline.rejection, rc=rc, reduce=dist.all_reduce, weigh=weigh)
+    read_kl = functools.partial(offline.logged_kl, exact=alg.kl_penalty == "full", reduce=dist.all_reduce)
+    if alg.kl_probe.enable:
+        read_kl = functools.partial(probed_kl, run, ProbeState())
+    baselines = no_baselines
+    if ESTIMATORS[alg.adv_estimator].needs_greedy_baseline:
+        baselines = functools.partial(greedy_baselines, run)
+    return functools.partial(respond, run), correct, read_kl, baselines

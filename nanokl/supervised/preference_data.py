@@ -54,7 +54,8 @@ import torch
 
 from nanokl.harness.config.schema import DataConfig
 from nanokl.harness.config.yaml_io import UserError
-from nanokl.harness.data import build_prompts, read_rows
+from nanokl.harness.data import build_prompts
+from nanokl.tasks.rows import read_rows
 from nanokl.harness.hf_format import from_pretrained
 from nanokl.harness.tokenizer import load_tokenizer
 from nanokl.rollout import generate
@@ -144,7 +145,7 @@ def rank_responses(texts: list[str], example: dict, score) -> tuple[list[str], l
 
 
 @torch.no_grad()
-def sample_responses(policy, tok, examples, n, max_new_tokens, temperature=1.0, template="plain",
+def sample_to_rank(policy, tok, examples, n, max_new_tokens, temperature=1.0, template="plain",
                      batch_size=256, seed=0):
     """n sampled response texts per example (rows i*n .. i*n+n-1 belong to example i), and for
     each whether it ended with EOS (False: cut off at max_new_tokens). The RM must see a cut-off
@@ -180,7 +181,7 @@ def build_preference_data(policy_dir, out_path, num_prompts, n=4, seed=0, val_ou
     for name, examples, path in (("train", train, out_path), ("val", val, val_out_path)):
         if path is None or not examples:  # no held-out split asked for (num_val_prompts = 0)
             continue
-        texts, ended = sample_responses(policy, tok, examples, n, max_new_tokens, temperature, template, batch_size,
+        texts, ended = sample_to_rank(policy, tok, examples, n, max_new_tokens, temperature, template, batch_size,
                                         seed=seed + (name == "val"))
         rows = []
         for i, ex in enumerate(examples):

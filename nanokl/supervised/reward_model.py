@@ -7,7 +7,7 @@ r(x, y) -> R that scores a prompt x and response y, trained so that preferred re
 higher (Christiano et al. 2017; Ziegler et al. 2019; Ouyang et al. 2022). PPO then maximises
 r(x, y) - beta * KL(pi || pi_ref), and the KL term keeps the policy where r was trained to judge.
 
-The model (`RewardModel`, below) is the policy's backbone (nanokl/engine/model.py `Decoder`) with the LM
+The model (`RewardModel`, nanokl/engine/model.py) is the policy's backbone (nanokl/engine/model.py `Decoder`) with the LM
 head replaced by a bias-free linear head `score` [1, hidden] read at the *last real token* of
 prompt+response (the EOS that ends the response): the one position that has seen the whole text,
 initialised from the warm start (its LM head dropped, a fresh `score` row). The layout is
@@ -38,7 +38,8 @@ Normalisation (Ziegler et al. 2019; lm-human-preferences' `reward_gain`/`reward_
 model is only defined up to a constant (the losses see differences), and its scale drifts with
 training. After training, we score samples of the *reference* policy (the warm start, at the
 rollout temperature, on PPO's own training prompts) and store their mean and (population) std in
-`reward_normalization.json` beside the weights; `load_reward_model` reads it and `score_with_rm`
+`reward_normalization.json` beside the weights; `load_reward_model` (harness/hf_format.py) reads it and
+`score_with_rm` (harness/scoring.py)
 returns (r - mean) / std, so rewards have mean 0 and std 1 on reference samples and beta means the
 same thing whatever the RM. The weights stay the raw HF model: transformers' logits are the raw r.
 
@@ -63,53 +64,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from tqdm import tqdm
 
 from nanokl.harness.config.yaml_io import ConfigError, UserError, run_cli
 from nanokl.harness.config.load import parse_cli
 from nanokl.harness.data import build_prompts
-from nanokl.harness.hf_format import CheckpointError, from_pretrained, load_scalar_head, read_config, save_pretrained
-from nanokl.engine.model import Decoder, ModelConfig
+from nanokl.harness.hf_format import from_pretrained, load_reward_model, save_reward_model
+from nanokl.harness.scoring import keep_last_tokens, raw_rewards
 from nanokl.supervised.preference_data import build_preference_data, pair_kinds, read_preferences
 from nanokl.rollout import generate
 from nanokl.supervised.sft import adamw_cosine
 from nanokl.harness.tokenizer import apply_template, load_tokenizer, right_pad
 from nanokl.harness.world import pick_device
 from nanokl.tasks import get_task
-
-NORM_FILE = "reward_normalization.json"
-
-
-class RewardModel(nn.Module):
-    """Decoder + bias-free scalar head read at the last real token -> one reward per row [B].
-
-    "Last real token" is the last position whose attention_mask is 1, so right padding, left
-    padding, or the rollout's [left-padded prompt | right-padded response] all read the same
-    token (verl's reward worker picks it the same way). `transformers` instead takes the rightmost
-    token that is not `pad_token_id`: the same token unless a real token equals the pad id (a
-    tokenizer that pads with EOS would make HF skip a trailing EOS)."""
-    hf_head = "reward"  # save_pretrained writes Qwen2/LlamaForSequenceClassification
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = Decoder(cfg)
-        self.score = nn.Linear(cfg.hidden_size, 1, bias=False)
-        # (r - mean) / std: not weights (HF's logits stay the raw r); fitted by fit_normalization
-        # and stored beside the weights in reward_normalization.json.
-        self.reward_mean, self.reward_std = 0.0, 1.0
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        h = self.model(input_ids, attention_mask, position_ids)
-        if attention_mask is None:
-            last = torch.full((h.shape[0],), h.shape[1] - 1, device=h.device)
-        else:  # index of the last 1: argmax of position * mask (positions are distinct, so no ties)
-            pos = torch.arange(h.shape[1], device=h.device)
-            last = (pos * attention_mask.long()).argmax(-1)
-        # The head is linear, so read the B last hidden states first and apply it to B vectors, not B*T.
-        return self.score(h[torch.arange(h.shape[0], device=h.device), last]).squeeze(-1)
-
 
 # ---------------------------------------------------------------------------------------------
 # Rankings and their losses
@@ -219,59 +186,12 @@ def pairwise_accuracy(rm, items, pad_token_id=0, batch_size=64) -> float:
 # Scoring for PPO, normalisation, load and save
 
 
-@torch.no_grad()
-def raw_rewards(rm, sequences, attention_mask, micro_batch_size=None) -> torch.Tensor:
-    """[N] un-normalised rewards, `micro_batch_size` rows per forward (None: all at once)."""
-    step = micro_batch_size or len(sequences)
-    return torch.cat([rm(sequences[i:i + step], attention_mask[i:i + step]).float()
-                      for i in range(0, len(sequences), step)])
-
-
-def keep_last_tokens(attention_mask, max_length=None):
-    """The mask with only each row's last `max_length` real tokens kept (reward_model.max_length):
-    the reward model reads the end of the response, so a long prompt loses its beginning. Masked
-    tokens count as padding, and position ids restart from the first kept token."""
-    if max_length is None:
-        return attention_mask
-    from_end = attention_mask.flip(-1).cumsum(-1).flip(-1)  # real tokens at or after each position
-    return attention_mask * (from_end <= max_length)
-
-
-def score_with_rm(rm, sequences, attention_mask, micro_batch_size=None) -> torch.Tensor:
-    """[N] normalised rewards (r - mean) / std of the rollout's [prompt | response] sequences; PPO
-    puts each on its response's last token (harness/scoring.token_level_scores)."""
-    return (raw_rewards(rm, sequences, attention_mask, micro_batch_size) - rm.reward_mean) / rm.reward_std
-
-
 def fit_normalization(rm, sequences, attention_mask, micro_batch_size=None) -> tuple[float, float]:
     """Set rm.reward_mean / reward_std to the mean and population std of its raw rewards on these
     (reference-policy) samples, so score_with_rm gives them mean 0 and std 1."""
     r = raw_rewards(rm, sequences, attention_mask, micro_batch_size).double()
     rm.reward_mean, rm.reward_std = r.mean().item(), max(r.std(unbiased=False).item(), 1e-8)
     return rm.reward_mean, rm.reward_std
-
-
-def load_reward_model(path, device=None, dtype=None, seed=0) -> RewardModel:
-    """A reward model directory (with its normalisation when reward_normalization.json is there),
-    or a causal LM whose LM head is swapped for a fresh, bias-free `score` row (drawn with `seed`)."""
-    _, head = read_config(path)
-    if head == "value":
-        raise CheckpointError(f"{path}: a value model (ForTokenClassification), not a reward model or causal LM")
-    rm = load_scalar_head(RewardModel, path, device, dtype, bias=False, seed=seed)
-    norm = Path(path) / NORM_FILE
-    if head == "reward" and norm.is_file():
-        stats = json.loads(norm.read_text())
-        rm.reward_mean, rm.reward_std = float(stats["mean"]), float(stats["std"])
-    return rm
-
-
-def save_reward_model(rm, path, tokenizer=None, info=None):
-    """HF weights + config.json (+ tokenizer) + reward_normalization.json {mean, std, **info}."""
-    save_pretrained(rm, path)
-    if tokenizer is not None:
-        tokenizer.save(path)
-    stats = {"mean": rm.reward_mean, "std": rm.reward_std, **(info or {})}
-    (Path(path) / NORM_FILE).write_text(json.dumps(stats, indent=2))
 
 
 @torch.no_grad()

@@ -41,28 +41,21 @@ nanokl names a task:
         silently scoring 0, at the step whose batch holds it. A task without it is not checked.
 
     SOURCE: str (optional)
-        The data_source its examples carry. `SOURCES` maps each to its task, so a row of verl's
-        data names its own rule, as verl's default_compute_score does: with data files and no
-        data.task, every row is scored by the task of its data_source (nanokl/tasks/by_source.py).
+        The data_source its examples carry (or SOURCES, a tuple of several). `SOURCE_TASKS`
+        (nanokl/tasks/by_source.py) maps each to its task, so a row of verl's data names its own
+        rule, as verl's default_compute_score does: with data files and no data.task, every row
+        is scored by the task of its data_source.
 
 The same seed gives the same examples in the same order, so a run, its resume and its reward
 model all see the same prompts. A new task is one file here, one line in TASKS, and its test
 (tests/test_tasks.py shows a task defined in the test alone driving train_ppo.py).
 """
 
-from nanokl.harness.config.yaml_io import UserError
-from nanokl.tasks import arith, by_source, gsm8k, math, math_dapo
+from nanokl.tasks import arith, by_source, gsm8k
+from nanokl.tasks.by_source import SOURCE_TASKS, source_task  # noqa: F401 (the table is by_source's)
+from nanokl.tasks.rows import UserError
 
 TASKS = {"arith": arith, "gsm8k": gsm8k}
-
-# data_source -> the task whose rule scores it: {"arith": arith, "openai/gsm8k": gsm8k, "lighteval/MATH": math, ...}.
-# A task names its source (SOURCE) or several (SOURCES, a tuple); the rule-only tasks math and math_dapo
-# (no built-in data, so not in TASKS) score the rows of data files that name their sources, as in verl's
-# default_compute_score. SOURCE_PREFIXES: verl also routes every data_source starting with "aime" to math_dapo.
-_RULES = (*TASKS.values(), math, math_dapo)
-SOURCES = {source: task for task in _RULES
-           for source in getattr(task, "SOURCES", (task.SOURCE,) if hasattr(task, "SOURCE") else ())}
-SOURCE_PREFIXES = {prefix: task for task in _RULES for prefix in getattr(task, "SOURCE_PREFIXES", ())}
 
 
 def get_task(name: str | None):
@@ -73,17 +66,3 @@ def get_task(name: str | None):
     if name not in TASKS:
         raise UserError(f"unknown task {name!r} (data.task; known: {', '.join(TASKS)})")
     return TASKS[name]
-
-
-def source_task(data_source: str):
-    """The task whose rule scores rows of `data_source`, or a one-line UserError naming the known
-    sources and the way to bring one's own rule."""
-    if data_source not in SOURCES:
-        for prefix, task in SOURCE_PREFIXES.items():
-            if data_source.startswith(prefix):
-                return task
-        known = [*SOURCES, *(prefix + "*" for prefix in SOURCE_PREFIXES)]
-        raise UserError(f"no reward rule for data_source {data_source!r} (known: {', '.join(known)}); "
-                        "score it with your own function: custom_reward_function.path=<file.py> "
-                        "custom_reward_function.name=<function>, or set data.task to score every row with one task")
-    return SOURCES[data_source]

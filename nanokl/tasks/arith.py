@@ -43,7 +43,7 @@ import hashlib
 import random
 import re
 
-from nanokl.harness.config.yaml_io import UserError
+from nanokl.tasks.rows import UserError
 
 SOURCE = "arith"  # the examples' data_source: validation logs val-core/arith/acc/mean@n
 

@@ -11,7 +11,7 @@ is the question followed by
 the ground truth is the text after `#### ` in the reference answer with commas removed, and the
 data_source is "openai/gsm8k" (so validation logs `val-core/openai/gsm8k/acc/mean@n`). A file
 may hold raw rows `{"question", "answer"}` or the rows verl's preprocessing writes (parsed by
-nanokl/harness/data.py: `verl_row_to_example`); those must say data_source "openai/gsm8k",
+nanokl/tasks/rows.py: `verl_row_to_example`); those must say data_source "openai/gsm8k",
 since this task scores every row with GSM8K's rule. A bad row is a `UserError` naming
 `file:line` (Parquet: `file:row i`), so the user fixes the data instead of reading a traceback.
 
@@ -50,8 +50,8 @@ negatives, decimals and clipping.
 
 import re
 
-from nanokl.harness.config.yaml_io import UserError
-from nanokl.harness.data import DataError, read_examples, row_field, verl_row_to_example
+from nanokl.tasks.rows import UserError
+from nanokl.tasks.rows import DataError, read_examples, row_field, verl_row_to_example
 
 SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

@@ -62,7 +62,7 @@ tests/test_math.py checks the rule on verl's and the MATH repository's test stri
 hundreds of generated rows against a separate evaluator of simple numeric LaTeX.
 """
 
-from nanokl.harness.config.yaml_io import UserError
+from nanokl.tasks.rows import UserError
 
 SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."

@@ -51,7 +51,7 @@ substitution and removal.
 
 import re
 
-from nanokl.harness.config.yaml_io import UserError
+from nanokl.tasks.rows import UserError
 from nanokl.tasks.math import closing_brace
 
 SOURCES = ("math_dapo", "math", "math_dapo_reasoning")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from nanokl.harness.config.schema import Config, TrainerConfig
+from nanokl.harness.config.schema import RENAMED, Config, TrainerConfig
 from nanokl.harness.config.build import all_keys, build, config_to_dict
 from nanokl.harness.config.yaml_io import ConfigError, apply_override, interpolate, load_yaml_chain
 from nanokl.harness.config.rules import resolve, validate
@@ -42,9 +42,20 @@ def load_config(path=None, overrides=()) -> Config:
         for arg in overrides:
             apply_override(tree, origins, arg, defaults)
         interpolate(tree, defaults)
+        refuse_renamed(tree)
         return validate(resolve(build(Config, tree, universe=all_keys(Config))))
     except ConfigError as e:
         raise e.locate(origins) from None
+
+
+def refuse_renamed(tree: dict) -> None:
+    """A key of schema.RENAMED under its old name: one line naming the new (no silent default)."""
+    for old, (new, what) in RENAMED.items():
+        node, *path = tree, *old.split(".")
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node:
+            raise ConfigError(f"{old} is now {new} ({what})", keys=old)
 
 
 def default_tree() -> dict:

@@ -7,16 +7,21 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional, Union
 
 MonitorAction = Literal["warn", "adjust", "stop", "rollback"]  # what a failing KL-monitor check does (monitor.py)
+HACKING_CHECKS = ("length_drift", "degenerate", "ratio_band")  # the reward-hacking checks (harness/hacking.py)
+CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "collapse", "critic", *HACKING_CHECKS,
+          "kl_stop")  # every check of the KL monitor, each with its `<check>_action` below; the order events come in
+KNOBS = ("kl_weight", "target_kl", "kl_type", "entropy_coeff", "actor_lr", "critic_lr")  # what `adjust` may turn
+RENAMED_KNOBS = {"kl_coef": "kl_weight"}  # refused by their old name, naming the new (config/rules.py)
 
 @dataclass
 class AdjustRule:
     """A KL-monitor remedy (monitor.py): when its check fails, set `knob` to knob * factor (or to `value`),
-    never past `limit`, at most once per `cooldown` steps. Knobs: kl_coef, target_kl, kl_type,
+    never past `limit`, at most once per `cooldown` steps. Knobs: kl_weight, target_kl, kl_type,
     entropy_coeff, actor_lr, critic_lr (monitor.KNOBS)."""
     # setting one of these in a config drops the default rule's others: a value replaces its factor,
     # a new knob its limit (nanokl.harness.config.yaml_io.build)
     DROPS: ClassVar[dict] = {"factor": ("value",), "value": ("factor",), "knob": ("limit",)}
-    knob: str = "kl_coef"
+    knob: str = "kl_weight"
     factor: Optional[float] = None  # multiply the knob by this ...
     value: Optional[Union[float, str]] = None  # ... or set it to this (kl_type: a kl.KL_KINDS name)
     limit: Optional[float] = None  # a factor never takes the knob past this (above for > 1, below for < 1)
@@ -75,7 +80,7 @@ class KLMonitorConfig:
     ratio_band_action: MonitorAction = "warn"
     score_window: int = 5  # "the score rises": the mean of the last this-many steps beats the mean of those before
     # the remedies of `adjust` (the KL-tuning article's third column); kl_band has one per side
-    kl_high_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
+    kl_high_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
     # escalation when KL > kl_high_act and kl_high_adjust's knob sits at its limit: "lr" cuts the actor's
     # learning rate by kl_high_escalate; "reference" (the offline article's remedy for KL > 0.15) also reloads
     # the reference weights into the actor and drops its Adam moments at each cut; "none" never escalates
@@ -84,13 +89,13 @@ class KLMonitorConfig:
     kl_low_adjust: AdjustRule = _rule("target_kl", factor=0.7, limit=0.005, cooldown=20)
     kl_var_adjust: AdjustRule = _rule("kl_type", value="low_var_kl+")
     entropy_adjust: AdjustRule = _rule("entropy_coeff", value=0.01)
-    reward_var_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
-    collapse_adjust: AdjustRule = _rule("kl_coef", factor=1.2, limit=1.0, cooldown=5)
+    reward_var_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
+    collapse_adjust: AdjustRule = _rule("kl_weight", factor=1.2, limit=1.0, cooldown=5)
     critic_adjust: AdjustRule = _rule("critic_lr", factor=2.0, limit=1e-3, cooldown=20)
-    length_drift_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
-    degenerate_adjust: AdjustRule = _rule("kl_coef", factor=1.5, limit=1.0, cooldown=5)
+    length_drift_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
+    degenerate_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
     ratio_band_adjust: AdjustRule = _rule("actor_lr", factor=0.5, limit=1e-6, cooldown=10)
-    kl_stop_adjust: AdjustRule = _rule("kl_coef", factor=2.0, limit=1.0, cooldown=5)
+    kl_stop_adjust: AdjustRule = _rule("kl_weight", factor=2.0, limit=1.0, cooldown=5)
     # what a rollback does: reload the last healthy checkpoint and raise beta ("healthy"); reload the
     # reference weights into the actor and lower the learning rates ("reference"); or reload the last
     # healthy checkpoint, freeze beta and switch the controller to fixed, with kl_stop armed to stop ("fixed_kl")

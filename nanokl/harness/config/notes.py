@@ -14,7 +14,7 @@ import dataclasses
 
 from nanokl.harness.config.schema import Config
 from nanokl.harness.config.yaml_io import get_key
-from nanokl.harness.profile import notes as profiler_notes
+from nanokl.tasks.rows import UserError
 
 _A, _R, _C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
 _ARR, _RM, _T = "actor_rollout_ref.", "reward_model.", "trainer."
@@ -150,7 +150,7 @@ def startup_notes(cfg) -> list[str]:
     if getattr(cfg, "kl_monitor_by_default", False):  # on, and neither a config nor the command said so
         lines.append(monitor_note(cfg.trainer.kl_monitor))
     alg, a = cfg.algorithm, cfg.actor_rollout_ref.actor
-    if alg.kl_ctrl.type in ("adaptive", "pi") and not alg.use_kl_in_reward and a.loss_mode == "ppo":
+    if alg.kl_ctrl.type in ("adaptive", "pi") and not alg.use_kl_in_reward and a.objective == "ppo":
         fix = ("set algorithm.use_kl_in_reward=true to penalise KL in the reward" if not a.use_kl_loss else
                f"the KL loss's coefficient has its own, {_A}kl_loss_ctrl" if a.kl_loss_ctrl.type == "adaptive" else
                f"to steer the KL loss's coefficient set {_A}kl_loss_ctrl.type=adaptive")
@@ -182,3 +182,34 @@ def _differs(value, default) -> bool:
             return bool(value)
         return any(_differs(value.get(k, d), d) for k, d in default.items())
     return value != default
+
+
+def chosen_steps(cfg) -> tuple[list[int], str | None]:
+    """(the global steps to profile, the key that chose them): global_profiler.steps, else verl's
+    older trainer.profile_steps; ([], None) when neither is set. A bad value is refused in one line."""
+    g = cfg.global_profiler if isinstance(cfg.global_profiler, dict) else {}
+    for key, value in (("global_profiler.steps", g.get("steps")),
+                       ("trainer.profile_steps", getattr(cfg.trainer, "profile_steps", None))):
+        if value is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                                            for s in value):
+            raise UserError(f"{key}={value!r}: expected a list of global steps, counted from 1 (e.g. {key}=[1,5])")
+        return sorted(set(value)), key
+    return [], None
+
+
+def profiler_notes(cfg) -> list[str]:
+    """Start-up notes for the profiler keys nanokl accepts but does not honour (startup_notes)."""
+    g = cfg.global_profiler if isinstance(cfg.global_profiler, dict) else {}
+    chosen_steps(cfg)  # a bad value: refused at start-up
+    lines = []
+    tool = g.get("tool")
+    if tool not in (None, "torch"):
+        lines.append(f"note: global_profiler.tool={tool!r}: nanokl records the chosen steps with torch.profiler "
+                     "(a chrome trace per step, nanokl/harness/profile.py), not " + str(tool))
+    if g.get("profile_continuous_steps"):
+        lines.append("note: global_profiler.profile_continuous_steps=True: nanokl writes one trace per chosen step")
+    return lines

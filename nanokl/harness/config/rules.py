@@ -19,7 +19,7 @@ import os
 
 from nanokl.harness.config.yaml_io import ConfigError, get_key
 from nanokl.harness.config.verl_keys import check_verl_keys
-from nanokl.harness.monitor import CHECKS, KNOBS
+from nanokl.harness.config.nanokl_keys import CHECKS, KNOBS, RENAMED_KNOBS
 
 
 def resolve(cfg):
@@ -192,6 +192,9 @@ def _check_target_kl(target, key="algorithm.kl_ctrl.target_kl"):
 
 
 def _check_rule(rule, key):
+    if rule.knob in RENAMED_KNOBS:  # kl_coef is verl's beta (algorithm.kl_ctrl.kl_coef); the knob moves either weight
+        raise ConfigError(f"{key}.knob={rule.knob} is now {RENAMED_KNOBS[rule.knob]} (beta in the reward and/or the "
+                          "KL loss's weight; algorithm.kl_ctrl.kl_coef is beta's start)", keys=key + ".knob")
     if rule.knob not in KNOBS:
         close = difflib.get_close_matches(rule.knob, KNOBS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -236,10 +239,10 @@ def _check_dapo_and_correction(cfg):
     if fg.enable and fg.metric not in FILTER_METRICS:
         raise ConfigError(f"{F}metric must be one of {', '.join(FILTER_METRICS)} when {F}enable (seq_final_reward "
                           f"needs the KL penalty before sampling ends); got {fg.metric!r}", keys=F + "metric")
-    if fg.enable and (rollout.n < 2 or cfg.data.offline_files or actor.loss_mode != "ppo"):
+    if fg.enable and (rollout.n < 2 or cfg.data.offline_files or actor.objective != "ppo"):
         raise ConfigError(f"{F}enable keeps the prompts whose rollout.n >= 2 sampled responses disagree: it needs "
                           f"{_R}n >= 2 (got {rollout.n}), online sampling (no data.offline_files) and "
-                          f"{_A}loss_mode=ppo", keys=(F + "enable", _R + "n", "data.offline_files"))
+                          f"{_A}objective=ppo", keys=(F + "enable", _R + "n", "data.offline_files"))
     rc, RC = alg.rollout_correction, "algorithm.rollout_correction."
     if rc.rollout_rs is not None:
         from nanokl.offline import rs_thresholds
@@ -250,9 +253,9 @@ def _check_dapo_and_correction(cfg):
             rs_thresholds(rc.rollout_rs, rc.rollout_rs_threshold)
         except ValueError as e:
             raise ConfigError(f"{RC}{e}", keys=(RC + "rollout_rs", RC + "rollout_rs_threshold")) from None
-        if actor.loss_mode != "ppo":
-            raise ConfigError(f"{RC}rollout_rs removes tokens from the PPO loss; {_A}loss_mode={actor.loss_mode} "
-                              f"compares whole responses", keys=(RC + "rollout_rs", _A + "loss_mode"))
+        if actor.objective != "ppo":
+            raise ConfigError(f"{RC}rollout_rs removes tokens from the PPO loss; {_A}objective={actor.objective} "
+                              f"compares whole responses", keys=(RC + "rollout_rs", _A + "objective"))
     if actor.use_kl_loss and actor.kl_loss_type == "full" and (cfg.actor_rollout_ref.model.use_fused_kernels or
                                                                  actor.entropy_from_logits_with_chunking):
         raise ConfigError(f"{_A}kl_loss_type=full needs both models' whole next-token distributions, which the chunked "
@@ -334,13 +337,13 @@ def validate(cfg):
                           f"but a greedy rollout records them at temperature 1, not at {_R}temperature "
                           f"({rollout.temperature}): use auto or false, or temperature 1",
                           keys=("algorithm.rollout_correction.bypass_mode", _R + "temperature", _R + "do_sample"))
-    if actor.loss_mode != "ppo":  # DPO / IPO: pairs of logged responses, (chosen, rejected) rows next to each other
-        why = f"{_A}loss_mode={actor.loss_mode} trains on (chosen, rejected) pairs of logged, ranked responses"
+    if actor.objective != "ppo":  # DPO / IPO: pairs of logged responses, (chosen, rejected) rows next to each other
+        why = f"{_A}objective={actor.objective} trains on (chosen, rejected) pairs of logged, ranked responses"
         if not data.offline_files:
-            raise ConfigError(f"{why}: set data.offline_files", keys=(_A + "loss_mode", "data.offline_files"))
+            raise ConfigError(f"{why}: set data.offline_files", keys=(_A + "objective", "data.offline_files"))
         if rollout.n != 2:
             raise ConfigError(f"{why}: {_R}n must be 2 (one pair per prompt), got {rollout.n}",
-                              keys=(_R + "n", _A + "loss_mode"))
+                              keys=(_R + "n", _A + "objective"))
         if actor.use_dynamic_bsz or actor.shuffle or (actor.ppo_micro_batch_size_per_gpu or 2) % 2:
             raise ConfigError(f"{why}: a micro-batch must hold whole pairs, so {_A}use_dynamic_bsz and {_A}shuffle "
                               f"must be false and {_A}ppo_micro_batch_size_per_gpu even",

@@ -386,7 +386,7 @@ def check_verl_keys(cfg):
                      (_RM + "micro_batch_size", _RM + "micro_batch_size_per_gpu")):
         if get_key(cfg, old) is not None and get_key(cfg, new) is not None:
             raise ConfigError(f"set only one of {old} (verl's older size over all GPUs) and {new}", keys=(old, new))
-    if c.enable is not None and a.loss_mode == "ppo":
+    if c.enable is not None and a.objective == "ppo":
         from nanokl.advantages import ESTIMATORS
         if c.enable != ESTIMATORS[cfg.algorithm.adv_estimator].needs_critic:
             raise ConfigError(f"critic.enable={c.enable} contradicts algorithm.adv_estimator="

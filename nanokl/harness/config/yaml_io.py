@@ -38,12 +38,7 @@ from typing import Any
 
 import yaml
 
-
-class UserError(Exception):
-    """A mistake in what the user gave us (config, paths, data): reported in one line, no traceback.
-
-    Other modules raise it for user-fixable problems (a missing model directory, a malformed
-    data line); `run_cli` prints it as `error: <message>` and exits with status 2."""
+from nanokl.tasks.rows import UserError  # the one-line error's class (raised here as ConfigError)
 
 
 class ConfigError(UserError, ValueError):

@@ -1,13 +1,17 @@
 """The stages before RL that a config can ask for, run when their output is missing: the warm start
 (supervised fine-tuning: the reference policy), the logged samples an offline run trains on, and the
-reward model distilled from rankings. Rank 0 makes each, the others wait at a barrier."""
+reward model distilled from rankings. Rank 0 makes each, the others wait at a barrier.
+
+train_ppo.py hands `train_missing_stages` to the harness's setup (nanokl/harness/run.py), which
+calls it while the run holds its folder, before any model loads: the harness sits below the
+supervised stages and imports none of them."""
 
 import sys
 from pathlib import Path
 
 from nanokl.engine import dist
-from nanokl.harness.config.yaml_io import UserError
-from nanokl.supervised.reward_model import build_ranked_data, load_reward_model
+from nanokl.harness.hf_format import require_model_dir
+from nanokl.supervised.reward_model import build_ranked_data
 from nanokl.supervised.reward_model import train_from_config as train_reward_model
 from nanokl.supervised.sft import train_sft
 from nanokl.tasks import get_task
@@ -23,8 +27,7 @@ def train_missing_stages(cfg, rank):
                   file=sys.stderr)
             train_sft(cfg)
         dist.barrier()
-    if not model_path.is_dir():
-        raise UserError(f"model directory {str(model_path)!r} does not exist (actor_rollout_ref.model.path)")
+    require_model_dir(model_path)
     ranked, offline = cfg.reward_model.train.data_path, cfg.data.offline_files
     if offline and ranked in offline and not Path(ranked).is_file():
         if rank == 0:  # the logged responses are the reward model's ranked warm-start samples: make them first
@@ -38,14 +41,3 @@ def train_missing_stages(cfg, rank):
                   file=sys.stderr)
             train_reward_model(cfg)
         dist.barrier()
-
-
-def load_rm(cfg, device):
-    rm_path = cfg.reward_model.model.path
-    rm = load_reward_model(rm_path, device=device).eval()
-    rm_tok = Path(rm_path) / "tokenizer.json"
-    policy_tok = Path(cfg.actor_rollout_ref.model.tokenizer_path) / "tokenizer.json"
-    if rm_tok.is_file() and rm_tok.read_bytes() != policy_tok.read_bytes():  # it reads the policy's token ids
-        raise UserError(f"the reward model at {rm_path} was trained with another tokenizer than the policy's "
-                        f"({policy_tok}); retrain it: python -m nanokl.supervised.reward_model --config ...")
-    return rm
