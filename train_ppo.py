@@ -1,6 +1,6 @@
 """KL-regularised PPO for a language model: one step, top to bottom, and the loop around it.
 
-    python train_ppo.py                                    # CPU: arithmetic (configs/arith_tiny.yaml)
+    python train_ppo.py                                    # CPU: configs/arith_tiny.yaml
     python train_ppo.py --config configs/grpo_arith.yaml   # GRPO with a KL loss instead of a critic
     torchrun --nproc_per_node=8 train_ppo.py --config configs/gsm8k_qwen2.5_0.5b.yaml ...
 
@@ -39,7 +39,7 @@ from nanokl.supervised.stages import train_missing_stages
 
 
 def ppo_step(run: Run, step: int) -> dict:
-    """One PPO step on this rank's share of the prompts of global step `step`; returns its metrics."""
+    """One PPO step on this rank's share of the prompts of global step `step`; its metrics."""
     cfg, device, W = run.cfg, run.device, run.world
     a, ro, alg = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm
     metrics, t_step = {}, time.perf_counter()
@@ -56,7 +56,7 @@ def ppo_step(run: Run, step: int) -> dict:
                                                       global_step=step + 1, metrics=metrics)
 
     # 3. forwards: pi_old's log-probs and entropy, the reference's, the critic's values; then the
-    #    importance weights of tokens another policy sampled, and their rejection (nanokl/offline.py)
+    #    importance weights of tokens another policy sampled and their rejection (nanokl/offline.py)
     entropy = before_update(run, batch, out, metrics)
     batch["is_weights"], batch["response_mask"], corr = run.rollout_correction(batch, out.log_probs)
     metrics.update(corr)
@@ -185,7 +185,8 @@ def dpo_step(run: Run, step: int) -> dict:
             exact = exact_kl(run, batch, metrics) if alg.kl_penalty == "full" else None
             _, kl, current = apply_kl_penalty(torch.zeros_like(batch["old_log_probs"]),
                                               batch["old_log_probs"], batch["ref_log_probs"], mask,
-                                              beta, alg.kl_penalty, reduce=dist.all_reduce, kl=exact)
+                                              beta, alg.kl_penalty, reduce=dist.all_reduce,
+                                              kl=exact)
             current = run.read_kl(batch, kl, current, metrics)
             run.kl_ctrl.update(current, n_steps=len(mask) * run.world)
             metrics.update(reward_kl_metrics(run, kl, mask, current, beta))
@@ -202,7 +203,7 @@ def dpo_step(run: Run, step: int) -> dict:
 
 
 def main(argv=None) -> int:
-    """The run; its exit status (0, or 130 when Ctrl-C stopped it after a step and its checkpoint)."""
+    """The run; its exit status (0, or 130 when Ctrl-C stopped it after a step and its save)."""
     run = setup(parse_cli(argv), stages=train_missing_stages)  # models, data, resume, ...
     step_fn = ppo_step if run.cfg.actor_rollout_ref.actor.objective == "ppo" else dpo_step
     for step in steps(run):

@@ -19,8 +19,8 @@ horizon 10000 at 64 responses is 0.13% (a few-hundred-step run never notices), a
 
 Why it settles above its target
 -------------------------------
-In u = log β the rule integrates the clipped error c_t: u_t+1 = u_t + log(1 + K c_t) ≈ u_t + K c_t
-with K = n/H, so over N steps
+In u = log β the rule integrates the clipped error c_t:
+u_t+1 = u_t + log(1 + K c_t) ≈ u_t + K c_t with K = n/H, so over N steps
 
     mean(c) ≈ (u_end − u_start) / (K · N)                                            (1)
 
@@ -129,7 +129,8 @@ class AdaptiveKLController:
         if horizon <= 0:
             raise ValueError(f"adaptive horizon must be > 0, got {horizon}")
         if ki < 0 or integral_limit <= 0:
-            raise ValueError(f"pi needs ki >= 0 and integral_limit > 0, got ki={ki}, integral_limit={integral_limit}")
+            raise ValueError(f"pi needs ki >= 0 and integral_limit > 0, got ki={ki}, "
+                             f"integral_limit={integral_limit}")
         self.ki, self.integral_limit, self.integral = float(ki), float(integral_limit), 0.0
         if hold < 0:
             raise ValueError(f"hold must be >= 0, got {hold}")
@@ -194,8 +195,8 @@ class AdaptiveKLController:
         return mult
 
     def state_dict(self) -> dict:
-        state = {"value": float(self.value), "type": "pi" if self.ki else self.type, "scale": self.scale,
-                 "target": self.target, "integral": self.integral}
+        state = {"value": float(self.value), "type": "pi" if self.ki else self.type,
+                 "scale": self.scale, "target": self.target, "integral": self.integral}
         return state | ({"held": self.held, "reached": self.reached} if self.hold else {})
 
     def load_state_dict(self, state: dict) -> None:
@@ -204,7 +205,8 @@ class AdaptiveKLController:
         self.target = float(state.get("target", self.target))
         self.integral = float(state.get("integral", 0.0))
         self.held = int(state.get("held", 0))
-        # no "reached": the run that saved it did not hold (hold 0, or before the key), so neither does its resume
+        # no "reached": the run that saved it did not hold (hold 0, or before the key), so neither
+        # does its resume
         self.reached = bool(state.get("reached", True))
 
 
@@ -217,10 +219,12 @@ def make_kl_controller(kl_ctrl_cfg):
     if kl_ctrl_cfg.type in ("adaptive", "pi"):
         return AdaptiveKLController(kl_ctrl_cfg.kl_coef, kl_ctrl_cfg.target_kl, kl_ctrl_cfg.horizon,
                                     getattr(kl_ctrl_cfg, "target_kl_interp", "step"),
-                                    ki=getattr(kl_ctrl_cfg, "ki", 0.3) if kl_ctrl_cfg.type == "pi" else 0.0,
+                                    ki=(getattr(kl_ctrl_cfg, "ki", 0.3) if kl_ctrl_cfg.type == "pi"
+                                        else 0.0),
                                     integral_limit=getattr(kl_ctrl_cfg, "integral_limit", 1.0),
                                     hold=getattr(kl_ctrl_cfg, "hold", 0))
-    raise ValueError(f"unknown kl_ctrl.type {kl_ctrl_cfg.type!r}; valid types are 'fixed', 'adaptive', 'pi'")
+    raise ValueError(f"unknown kl_ctrl.type {kl_ctrl_cfg.type!r}; "
+                     "valid types are 'fixed', 'adaptive', 'pi'")
 
 
 def make_kl_loss_controller(actor_cfg):

@@ -1,4 +1,5 @@
-"""The on-policy KL probe: what an offline run's controller reads, so that the KL you set is the KL you get.
+"""The on-policy KL probe: what an offline run's controller reads, so that the KL you set is the
+KL you get.
 
 The problem
 -----------
@@ -43,11 +44,10 @@ and costs of a run are in bench/RESULTS.md, "The KL you set offline: an on-polic
 controllers".
 
 Who reads KL_read: the reward's controller (β: harness/variants.py's probed_kl, which takes the
-probe and reads `corrected_kl`), the KL
-monitor (it is actor/reward_kl_penalty; the logged estimate stays as rollout_corr/kl_logged) and, when
-actor.kl_loss_ctrl is adaptive, the KL loss's coefficient (harness/run.py's steer_kl_loss): offline,
-the exact KL loss at the logged prefixes is the stronger hand on π, and an on-policy error is what
-it should answer to.
+probe and reads `corrected_kl`), the KL monitor (it is actor/reward_kl_penalty; the logged estimate
+stays as rollout_corr/kl_logged) and, when actor.kl_loss_ctrl is adaptive, the KL loss's coefficient
+(train_ppo.py's steer_kl_loss): offline, the exact KL loss at the logged prefixes is the stronger
+hand on π, and an on-policy error is what it should answer to.
 
 Limits: the probe samples the training prompts, so the correction is for them; a resumed run
 restarts the smoothed gap at its first probe (its state is not in the checkpoint). It adds no
@@ -78,14 +78,16 @@ class ProbeState:
 
 
 @torch.no_grad()
-def probe_sums(policy, ref, sampler, prompt_ids, prompt_mask, ro, kind, eos_token_id, pad_token_id, generator,
-               spec=None):
+def probe_sums(policy, ref, sampler, prompt_ids, prompt_mask, ro, kind, eos_token_id, pad_token_id,
+               generator, spec=None):
     """Sample one response per prompt from `sampler` (the policy's rollout copy) and estimate the KL
-    of `policy` to `ref` on them: float64 [Σ_i p_i, Σ_i p_i², responses, tokens], p_i the response's
-    per-token mean of estimator `kind` ('full': exact over the vocabulary). Add across ranks."""
+    of `policy` to `ref` on them: float64 [Σ_i p_i, Σ_i p_i², responses, tokens], p_i the
+    response's per-token mean of estimator `kind` ('full': exact over the vocabulary). Add
+    across ranks."""
     out = generate(sampler, prompt_ids, prompt_mask, ro.response_length, temperature=ro.temperature,
-                   top_k=ro.top_k, top_p=ro.top_p, do_sample=ro.do_sample, eos_token_id=eos_token_id,
-                   pad_token_id=pad_token_id, generator=generator, use_cuda_graph=ro.use_cuda_graph)
+                   top_k=ro.top_k, top_p=ro.top_p, do_sample=ro.do_sample,
+                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator,
+                   use_cuda_graph=ro.use_cuda_graph)
     batch, mask = forwards.rollout_batch(out), out.response_mask
     extra = {} if spec is None else {"spec": spec}
     if kind == "full":
@@ -95,7 +97,8 @@ def probe_sums(policy, ref, sampler, prompt_ids, prompt_mask, ro, kind, eos_toke
         ref_logp, _ = forwards.compute_log_probs(ref, batch, ro.temperature, **extra)
         kl = kl_penalty(logp, ref_logp, kind)
     per = masked_mean(kl, mask, dim=-1).double().cpu()
-    return torch.stack([per.sum(), (per * per).sum(), torch.tensor(float(len(per)), dtype=torch.float64),
+    return torch.stack([per.sum(), (per * per).sum(),
+                        torch.tensor(float(len(per)), dtype=torch.float64),
                         mask.double().sum().cpu()])
 
 

@@ -13,16 +13,16 @@ Two facts make RL *for language models* different from RL on a game.
 
 2. The policy must stay near the reference it started from. RLHF maximises
 
-       J(π) = E_{y~π}[ score(x, y) ] − β · KL(π ‖ π_ref)          (Ziegler et al. 2019, §2)
+       J(π) = E_{y~π}[ score(x, y) ] − β · KL(π ‖ π_ref)        (Ziegler et al. 2019, §2)
 
    and KL(π‖π_ref) of a response is the sum over its tokens of the per-token KL, so the penalty
    splits over tokens like a reward does. Each token's reward is
 
        r_t = score_t − β · KL_t,        KL_t = k(log π_old(y_t), log π_ref(y_t))
 
-   with k one of the estimators of nanokl/kl.py (k1 = log π_old − log π_ref by default), evaluated
-   at the tokens the rollout sampled (verl's `apply_kl_penalty`). β is steered by a controller
-   (nanokl/kl_ctrl.py) that reads one number per step: the per-token KL of each response,
+   with k one of the estimators of nanokl/kl.py (k1 = log π_old − log π_ref by default),
+   evaluated at the tokens the rollout sampled (verl's `apply_kl_penalty`). β is steered by a
+   controller (nanokl/kl_ctrl.py) that reads one number per step: the per-token KL of each response,
    averaged over the batch's responses (`mean_kl`; verl's `current_kl`). Under torchrun the sums
    are added over ranks (`reduce`), so every rank reads the same KL.
 
@@ -57,7 +57,8 @@ def _same(t):
 
 def token_level_scores(scores, response_mask: torch.Tensor, missing_eos=None,
                        missing_eos_penalty: float = 0.0) -> torch.Tensor:
-    """[N, R] float tensor: score_i (minus the penalty if row i has no EOS) at its last real token."""
+    """[N, R] float tensor: score_i (minus the penalty if row i has no EOS) at its last real
+    token."""
     mask = response_mask.bool()
     scores = torch.as_tensor(scores, dtype=torch.float32, device=mask.device).clone()
     if missing_eos is not None:
@@ -74,17 +75,18 @@ def mean_kl(kl, response_mask, reduce=_same) -> float:
     """The KL the controller reads: each response's per-token mean, averaged over the responses of
     all ranks (`reduce` sums a tensor over ranks; nan when there are none)."""
     per_response = masked_mean(kl, response_mask, dim=-1).float()
-    total = reduce(torch.stack([per_response.sum(), torch.tensor(float(per_response.numel()), device=kl.device)]))
+    total = reduce(torch.stack([per_response.sum(),
+                                torch.tensor(float(per_response.numel()), device=kl.device)]))
     return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
 
 
-def apply_kl_penalty(scores, old_log_prob, ref_log_prob, response_mask, beta, kind="kl", reduce=_same,
-                     kl=None):
+def apply_kl_penalty(scores, old_log_prob, ref_log_prob, response_mask, beta, kind="kl",
+                     reduce=_same, kl=None):
     """verl's apply_kl_penalty: KL_t = kl_penalty(old_log_prob, ref_log_prob, kind) at each sampled
-    token, r_t = score_t − β·KL_t (train_ppo.ppo_step's step 4 writes the same lines out). `scores`:
-    the [N, R] token-level scores (`token_level_scores`). Returns (token_level_rewards, kl per token (0 under the mask),
-    current_kl). `kl`: the per-token KL when it cannot come from two log-probs (kind `full`: from
-    both models' whole distributions, forwards.compute_full_kl)."""
+    token, r_t = score_t − β·KL_t (train_ppo.ppo_step's step 4 writes the same lines out).
+    `scores`: the [N, R] token-level scores (`token_level_scores`). Returns (token_level_rewards,
+    kl per token (0 under the mask), current_kl). `kl`: the per-token KL when it cannot come from
+    two log-probs (kind `full`: from both models' whole distributions, forwards.compute_full_kl)."""
     if kl is None:
         kl = kl_penalty(old_log_prob, ref_log_prob, kind)
     kl = zero_masked(kl, response_mask)
@@ -92,8 +94,9 @@ def apply_kl_penalty(scores, old_log_prob, ref_log_prob, response_mask, beta, ki
 
 
 def overlong_penalty(response_lengths, max_len, buffer_len, penalty_factor):
-    """DAPO's soft length penalty per response (float64 [N]): min(−(L − (max_len − buffer_len)) /
-    buffer_len · penalty_factor, 0); add it to the scores (verl's DAPO reward manager)."""
+    """DAPO's soft length penalty per response (float64 [N]):
+    min(−(L − (max_len − buffer_len)) / buffer_len · penalty_factor, 0); add it to the scores
+    (verl's DAPO reward manager)."""
     if not 0 < buffer_len <= max_len:
         raise ValueError(f"overlong_buffer.len must be in (0, max_len={max_len}], got {buffer_len}")
     lengths = torch.as_tensor(response_lengths, dtype=torch.float64)

@@ -29,6 +29,7 @@ from nanokl.harness.config.schema import Config
 from nanokl.harness.config.yaml_io import ConfigError, run_cli
 from nanokl.harness.config.load import load_config, parse_cli
 from nanokl.harness.tokenizer import train_tokenizer
+from nanokl.harness.run_state import TrainingStopped
 from nanokl.tasks import arith, gsm8k
 from test_reward_fn import rollout
 
@@ -292,7 +293,7 @@ def test_a_custom_reward_that_is_not_a_number_is_refused_naming_function_source_
     examples = [{"prompt": "Q: 1+2=?\nA:", "ground_truth": "3", "data_source": s, "extra_info": {"index": 40 + i}}
                 for i, s in enumerate(["even", "even", "odd", "even"])]
     out = batch(tok, [ex["prompt"] for ex in examples], ["#### 3"] * 4)
-    with pytest.raises(train_ppo.TrainingStopped) as info:  # a stop (exit 1), not a traceback
+    with pytest.raises(TrainingStopped) as info:  # a stop (exit 1), not a traceback
         score_batch(tok, out, examples, cfg)
     message = str(info.value)
     assert "my_score" in message and str(path) in message and "'odd'" in message, message

@@ -89,13 +89,13 @@ def test_the_controllers_read_the_corrected_kl(monkeypatch):
     monkeypatch.setattr(variants, "encode_prompts", lambda *a, **k: (None, None))
     monkeypatch.setattr(variants, "probe_sums", lambda *a, **k: torch.tensor(
         [probes[step["i"]] * 4, probes[step["i"]] ** 2 * 4, 4.0, 40.0], dtype=torch.float64))
-    read = functools.partial(variants.probed_kl, state=ProbeState())
+    read = functools.partial(variants.probed_kl, fake, ProbeState())
     mask = torch.ones(4, 3)
     beta, gap = 0.1, None
     for i, l in enumerate(logged):
         step["i"] = i
         metrics, coeff, kl = {}, ctrl.value, torch.zeros(4, 3)  # ppo_step's step 4, on a logged KL of l
-        current = read(fake, {"response_mask": mask, "is_weights": None}, kl, l, metrics)
+        current = read({"response_mask": mask, "is_weights": None}, kl, l, metrics)
         ctrl.update(current, n_steps=len(mask))
         metrics.update(variants.reward_kl_metrics(fake, kl, mask, current, coeff))
         if i in probes:

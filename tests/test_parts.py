@@ -25,6 +25,7 @@ from nanokl.harness import scoring, variants
 from nanokl.harness.config.load import load_config
 from nanokl.harness.data import rank_rows
 from nanokl.harness.run_state import TrainingStopped
+from nanokl import offline
 from nanokl.offline import rejection_mask, rs_sums, sequence_is_weights
 from nanokl.rollout import RolloutOutput
 from nanokl.tasks import arith
@@ -218,8 +219,8 @@ def test_sequence_is_and_rejection_equal_offlines_weights_and_mask():
     RC = "algorithm.rollout_correction."
     run = correct_run(f"{RC}rollout_is=sequence", f"{RC}rollout_is_threshold=3.0", f"{RC}rollout_rs=token_k1,seq_max_k2",
                       f"{RC}rollout_rs_threshold='0.7_1.5,0.3'")
-    part = variants.choose(run.cfg)["rollout_correction"]
-    w, kept, metrics = part(run, batch, mu)
+    part = variants.choose(run)[1]  # (respond, correct, read_kl, baselines)
+    w, kept, metrics = part(batch, mu)
     want_w = sequence_is_weights(batch["old_log_probs"], mu, batch["response_mask"], 3.0)
     want_kept = rejection_mask(batch["old_log_probs"], mu, batch["response_mask"], "token_k1,seq_max_k2", "0.7_1.5,0.3")
     assert torch.equal(w, want_w) and torch.equal(kept, want_kept)
@@ -231,10 +232,9 @@ def test_sequence_is_and_rejection_equal_offlines_weights_and_mask():
     assert {"rollout_corr/is_mean", "rollout_corr/is_clipfrac", "rollout_corr/is_ess"} <= set(metrics)
     # rejection alone: no weights; no correction at all: the mask as it was
     w, kept2, metrics = variants.choose(correct_run(f"{RC}rollout_rs=token_k1,seq_max_k2",
-                                                    f"{RC}rollout_rs_threshold='0.7_1.5,0.3'").cfg
-                                        )["rollout_correction"](run, batch, mu)
+                                                    f"{RC}rollout_rs_threshold='0.7_1.5,0.3'"))[1](batch, mu)
     assert w is None and torch.equal(kept2, want_kept) and "rollout_corr/is_mean" not in metrics
-    w, same, metrics = variants.no_correction(run, batch, mu)
+    w, same, metrics = offline.no_correction(batch, mu)
     assert w is None and same is batch["response_mask"] and metrics == {}
 
 
@@ -252,7 +252,7 @@ def test_advantages_read_the_mask_rejection_left(sft_dir, tmp_path, monkeypatch)
                            f"trainer.default_local_dir={tmp_path}"]))
     kept, seen = {}, []
 
-    def reject_half(run_, batch, rollout_log_probs):
+    def reject_half(batch, rollout_log_probs):
         mask = batch["response_mask"].clone()
         mask[len(mask) // 2:] = 0
         kept["mask"] = mask

@@ -1,16 +1,16 @@
-"""nanokl/harness/plot.py: the series it draws, and a picture from a tiny run directory (matplotlib extra)."""
+"""nanokl/harness/plot.py: the curve it draws, and a picture from a tiny run directory (matplotlib extra)."""
 
 import json
 
 import pytest
 
-from nanokl.harness.plot import series
+from nanokl.harness.plot import curve
 
 
-def test_series_takes_the_steps_that_have_a_number():
+def test_curve_takes_the_steps_that_have_a_number():
     rows = [{"training/global_step": 0, "v": 1.0}, {"training/global_step": 1}, {"training/global_step": 2, "v": 3},
             {"training/global_step": 3, "v": "warn"}]
-    assert series(rows, "v") == ([0, 2], [1.0, 3])
+    assert curve(rows, "v") == ([0, 2], [1.0, 3])
 
 
 def test_plot_writes_a_png(tmp_path):

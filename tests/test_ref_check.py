@@ -21,6 +21,7 @@ import torch
 import train_ppo
 from nanokl.harness import ref_check
 from nanokl.harness import run as run_mod
+from nanokl.harness.run_state import TrainingStopped
 from nanokl.harness.tracking import read_metrics
 from test_faults import run_cli
 
@@ -43,8 +44,8 @@ def tie_after_setup(monkeypatch):
     reference built from the actor's state dict without a copy would be (requires_grad stays False)."""
     real_setup = train_ppo.setup
 
-    def setup(cfg):
-        run = real_setup(cfg)
+    def setup(cfg, **kw):
+        run = real_setup(cfg, **kw)
         actor = dict(run.actor.named_parameters())
         for name, p in run.ref.named_parameters():
             p.data = actor[name].data
@@ -109,7 +110,7 @@ def test_diagnose_names_each_cause():
     run = _models()
     run.ref.bias.data = run.actor.bias.data
     assert "shares storage with the actor (reference bias is actor bias)" in ref_check.diagnose(run)
-    with pytest.raises(run_mod.TrainingStopped, match="shares storage with the actor"):
+    with pytest.raises(TrainingStopped, match="shares storage with the actor"):
         ref_check.check_setup(run)
 
     run = _models()

@@ -235,13 +235,13 @@ def test_ppo_step_advantages_keep_the_scores_rejection_masked(sft_dir, tmp_path,
     seen = {}
 
     def shifted_correct(correct):
-        def part(run_, batch, rollout_log_probs):
+        def part(batch, rollout_log_probs):
             mask = batch["response_mask"]
             last = mask.sum(-1).long() - 1
             rows = torch.arange(0, len(mask), 4)
             mu = rollout_log_probs.clone()
             mu[rows, last[rows]] -= 1.0  # log π_old − log μ ≈ 1 there: k1 ≈ −1 < log 0.5, rejected
-            w, kept, metrics = correct(run_, batch, mu)
+            w, kept, metrics = correct(batch, mu)
             seen["rollout_mask"], seen["kept"] = mask, kept
             return w, kept, metrics
         return part

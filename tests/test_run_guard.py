@@ -277,3 +277,23 @@ def test_a_checkpoint_never_commits_without_its_row(sft_dir, tmp_path, monkeypat
     assert all(s in logged for s in committed), (committed, sorted(logged))
     ckpt = latest_checkpoint(tmp_path, warn=False)
     assert ckpt is None or int(ckpt.name.rsplit("_", 1)[1]) in logged
+
+
+def test_a_record_with_the_old_spellings_resumes_as_the_same_settings(sft_dir, two_steps, capfd):
+    """A checkpoint from before actor.loss_mode became actor.objective and the monitor's knob kl_coef became
+    kl_weight: the same settings in old words are no change (a real change is still refused, above)."""
+    from nanokl.harness.checkpoint import RECORD, write_manifest
+    run_dir, _ = two_steps
+    ckpt = latest_checkpoint(run_dir)
+    record = json.loads((ckpt / RECORD).read_text())
+    cfg = record["config"]
+    knobs = [k for k in cfg if k.startswith("trainer.kl_monitor.") and k.endswith(".knob") and cfg[k] == "kl_weight"]
+    assert knobs and "actor_rollout_ref.actor.objective" in cfg
+    record["config"] = {("actor_rollout_ref.actor.loss_mode" if k == "actor_rollout_ref.actor.objective" else k):
+                        ("kl_coef" if k in knobs else v) for k, v in cfg.items()}
+    (ckpt / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    write_manifest(ckpt)
+    code, err = cli(argv(sft_dir, run_dir, "trainer.total_training_steps=3"), capfd)
+    assert code == 0, err[-2000:]
+    assert not [ln for ln in err.splitlines() if "resume_allow_changes" in ln or ln.startswith("error:")]
+    assert steps_logged(run_dir) == [1, 2, 3]

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 import train_ppo
 from nanokl.harness.checkpoint import latest_checkpoint, load_state
 from nanokl.harness.tracking import read_metrics
+from nanokl.harness.run_state import TrainingStopped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -343,7 +344,7 @@ def test_nan_loss_is_skipped_then_stops_the_run(sft_dir, tmp_path, monkeypatch):
         return loss * float("nan"), m
 
     monkeypatch.setattr(workers, "compute_policy_loss", poisoned)  # update_actor looks the loss up at each call
-    with pytest.raises(train_ppo.TrainingStopped, match="3 steps in a row"):
+    with pytest.raises(TrainingStopped, match="3 steps in a row"):
         run(sft_dir, tmp_path, "trainer.total_training_steps=10", "trainer.save_freq=-1", "trainer.test_freq=-1")
     rows = read_metrics(tmp_path)
     assert [r["actor/nan_skipped"] for r in rows if r["training/global_step"] > 0] == [2, 2, 2]  # 2 mini-batches

@@ -274,7 +274,7 @@ def save_pretrained(model, path, dtype=None, state_dict=None):
     sd = dict(state_dict if state_dict is not None else model.state_dict())
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # safetensors stores a shared tensor once; HF re-ties on load
-    head = getattr(model, "hf_head", "lm")  # "lm" | "value" | "reward" (reward_model.RewardModel)
+    head = getattr(model, "hf_head", "lm")  # "lm" | "value" | "reward" (engine/model.py: RewardModel)
     out_dtype = dtype or next(iter(sd.values())).dtype
     (path / "config.json").write_text(json.dumps(hf_config(cfg, head, out_dtype), indent=2))
     save_tensors(sd, path, dtype)

@@ -31,7 +31,7 @@ validation call alike (nanokl/harness/scoring.py), each call through `call`: a f
 returns something that is not a number (a str such as "1.0", None, a dict without a numeric "score";
 a bool counts, as verl's tensor assignment takes it) or a number that is not finite stops the run as a
 `RewardError`, one line naming the function, the response and its row's data_source (and
-extra_info index): train_ppo.main saves a checkpoint of the steps done and exits 1, where a traceback
+extra_info index): harness/after_step.py saves a checkpoint of the steps done and exits 1, where a traceback
 would lose them and a NaN would surface steps later as a "non-finite loss". Under torchrun every rank
 stops together (`agree`). A ground truth the task's rule cannot read is refused before that, when the
 data load (`check_truths`).

@@ -289,6 +289,16 @@ def _show(v) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _renamed(was: dict) -> dict:
+    """A record written before nanokl renamed two of its own spellings (actor.loss_mode -> objective, the
+    monitor's knob kl_coef -> kl_weight) in today's words: the same settings are no change."""
+    was = {OBJECTIVE if k == OLD_OBJECTIVE else k: v for k, v in was.items()}
+    return {k: "kl_weight" if k.endswith(".knob") and v == "kl_coef" else v for k, v in was.items()}
+
+
+OLD_OBJECTIVE, OBJECTIVE = "actor_rollout_ref.actor.loss_mode", "actor_rollout_ref.actor.objective"
+
+
 def resume_check(ckpt, record: dict, allow=()) -> list[str]:
     """Resuming from checkpoint `ckpt` with this run's `record` (run_record): the notes to print, or a
     UserError naming every difference that changes the result and that `allow`
@@ -301,7 +311,7 @@ def resume_check(ckpt, record: dict, allow=()) -> list[str]:
         actor = ckpt / "actor"
         old = {"model_shapes": model_shapes(actor)} if (actor / "config.json").is_file() else {}
     diffs = {}  # name -> "old -> new"
-    was = old.get("config") or {}
+    was = _renamed(old.get("config") or {})
     for k, v in record["config"].items():
         if k in was and was[k] != v and not k.startswith(IGNORED):
             diffs[k] = f"{_show(was[k])} -> {_show(v)}"

@@ -14,7 +14,7 @@ falling rule score is reward hacking made visible (Gao et al. 2023).
 Either way one scalar per response becomes the `[N, R]` tensor PPO adds the KL penalty to:
 `token_level_scores` (nanokl/rewards.py) puts it on the response's last real token. A score function
 that raises, returns no number or a non-finite one stops the step (reward_fn.RewardError, on every
-rank), and train_ppo.main saves the steps done before it exits. A response
+rank), and harness/after_step.py saves the steps done before it exits. A response
 cut off by the length limit before its EOS gets `missing_eos_penalty` subtracted. With
 trainer.rollout_data_dir, each step's prompts, responses and scores are written there as JSONL, and
 with trainer.log_val_generations validation hands its (input, output, score) samples to the
@@ -95,7 +95,7 @@ def score_batch(tok, out, examples, cfg, rm=None, global_step=None, metrics=None
     texts = tok.batch_decode(out.responses, out.response_mask)
     # (logged rows scored by a reward model may carry no ground truth: their rule score is nan, not logged)
     score, failed = reward_fn.scorer(cfg), None
-    try:  # a raising, non-numeric or non-finite reward stops every rank here (RewardError: train_ppo.main saves)
+    try:  # a raising, non-numeric or non-finite reward stops every rank here (RewardError: after_step.take_step saves)
         rewards = reward_fn.manager(cfg)(score, texts, examples)
     except reward_fn.RewardError as e:
         failed = e
