@@ -18,7 +18,7 @@ from nanokl.harness.config.schema import Config
 from nanokl.harness.config.yaml_io import ConfigError
 from nanokl.harness.config.load import DEFAULT_CONFIG, load_config, parse_cli
 from nanokl.harness.config.yaml_io import get_key
-from nanokl.harness.config.notes import VERL_NOTES, monitor_note, startup_notes
+from nanokl.harness.config.notes import VERL_NOTES, kl_term_notes, monitor_note, startup_notes
 from nanokl.harness.run import _check_world, _max_samples
 
 MODEL, DATA = "/models/Qwen2.5-0.5B-Instruct", "/data/gsm8k"
@@ -68,7 +68,9 @@ def test_verl_quickstart_command_loads_on_verls_defaults(capsys):
     _check_world(cfg, 1, needs_critic=True)  # one GPU, as the command says
     notes = startup_notes(cfg)
     assert notes == [f"note: actor_rollout_ref.rollout.name='vllm': {VERL_NOTES['actor_rollout_ref.rollout.name']}",
-                     monitor_note(cfg.trainer.kl_monitor)]  # the KL checklist, on by default (warn only)
+                     monitor_note(cfg.trainer.kl_monitor),  # the KL checklist, on by default (warn only)
+                     *kl_term_notes(cfg)]  # verl's defaults have no KL term: said
+    assert notes[-1].startswith("note: no KL term")
 
 
 def test_verl_grpo_example_loads_and_fits_eight_gpus():
@@ -77,7 +79,7 @@ def test_verl_grpo_example_loads_and_fits_eight_gpus():
     assert a.actor.fsdp_config.optimizer_offload is False and a.ref.fsdp_config.param_offload is True
     assert cfg.trainer.logger == ["console", "wandb"] and a.rollout.n == 5
     _check_world(cfg, 8, needs_critic=False)
-    notes = startup_notes(cfg)
+    notes = [n for n in startup_notes(cfg) if n not in kl_term_notes(cfg)]
     assert notes[-1] == monitor_note(cfg.trainer.kl_monitor)  # the KL checklist, on by default (warn only)
     keys = [line.split("=")[0].removeprefix("note: ") for line in notes[:-1]]
     assert keys == ["actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.tensor_model_parallel_size"]
@@ -126,7 +128,8 @@ def test_each_noted_key_loads_and_prints_its_own_note_once(key):
     except ConfigError as e:  # a key whose other values nanokl refuses (e.g. a dict with enable): said in one line
         assert key in str(e) and "\n" not in str(e)
         return
-    assert startup_notes(cfg) == [f"note: {key}={get_key(cfg, key)!r}: {VERL_NOTES[key]}"]
+    notes = [n for n in startup_notes(cfg) if n not in kl_term_notes(cfg)]  # verl's defaults: no KL term, said
+    assert notes == [f"note: {key}={get_key(cfg, key)!r}: {VERL_NOTES[key]}"]
 
 
 def test_every_verl_only_field_has_a_note_or_a_rule():
@@ -212,3 +215,24 @@ def test_verl_spellings_map_to_nanokls_knobs():
     assert _max_samples(rows, -1) == rows and _max_samples(rows, 3) == [0, 1, 2]
     picked = _max_samples(rows, 3, shuffle=True, seed=1)
     assert len(set(picked)) == 3 and picked == _max_samples(rows, 3, shuffle=True, seed=1)
+
+
+def test_a_run_without_a_kl_term_a_weightless_kl_loss_coef_and_a_long_context_say_so():
+    """The tuning guide's own YAML sets actor.kl_loss_coef=0.005 with neither KL switch on: it trains with no
+    KL term, which the start says in one line naming both keys, and the coefficient in another; past 2048
+    tokens of context the guide's advice for it. The CPU demo and GRPO (a KL in reward or loss) say none."""
+    demo = str(DEFAULT_CONFIG)
+    article = load_config(demo, ["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=false",
+                                 "actor_rollout_ref.actor.kl_loss_coef=0.005", "algorithm.kl_ctrl.type=fixed"])
+    notes = [n for n in startup_notes(article) if "kl" in n.lower() and "kl_monitor (the KL" not in n]
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("note: no KL term") and "algorithm.use_kl_in_reward" in notes[0]
+    assert "actor_rollout_ref.actor.use_kl_loss" in notes[0]
+    assert notes[1].startswith("note: actor_rollout_ref.actor.kl_loss_coef=0.005 weighs nothing")
+    for cfg in (load_config(demo), load_config(str(DEFAULT_CONFIG.parent / "grpo_arith.yaml"))):
+        assert not [n for n in startup_notes(cfg) if "no KL term" in n or "weighs nothing" in n or "2048" in n]
+    long = load_config(demo, ["data.max_prompt_length=1024", "data.max_response_length=1025"])
+    [line] = [n for n in startup_notes(long) if "2048" in n]
+    assert "2049 tokens" in line and "algorithm.kl_ctrl.type=fixed" in line and "kl_stop_action=stop" in line
+    assert not [n for n in startup_notes(load_config(demo, ["data.max_prompt_length=1024",
+                                                            "data.max_response_length=1024"])) if "2048" in n]

@@ -15,7 +15,7 @@ from config_helpers import error_of, write
 from nanokl.harness.config.schema import Config
 from nanokl.harness.config.yaml_io import run_cli
 from nanokl.harness.config.load import DEFAULT_CONFIG, load_config, parse_cli
-from nanokl.harness.config.notes import startup_notes
+from nanokl.harness.config.notes import kl_term_notes, startup_notes
 
 A, RK = "actor_rollout_ref.actor.", "reward_model.reward_kwargs."
 VERL = ["data.train_files=/d/train.parquet", "actor_rollout_ref.model.path=/m"]  # a verl command: verl's defaults
@@ -346,7 +346,8 @@ NOTED["dapo_7b"] = [f"{A}fsdp_config.fsdp_size"] + NOTED["dapo_32b"]
 @pytest.mark.parametrize("name, argv", [("gspo", GSPO), ("dapo_32b", DAPO_32B), ("dapo_7b", DAPO_7B)])
 def test_verls_dapo_and_gspo_scripts_load_verbatim(name, argv):
     cfg = parse_cli(argv)
-    keys = [line.split("=")[0].removeprefix("note: ") for line in startup_notes(cfg)]
+    keys = [line.split("=")[0].removeprefix("note: ") for line in startup_notes(cfg) if line not in kl_term_notes(cfg)]
+    assert any(line.startswith("note: prompt + response reach") for line in kl_term_notes(cfg))  # 2k + 20k tokens
     monitor = [k for k in keys if k.startswith("trainer.kl_monitor")]  # the checklist, on by default: said once
     assert len(monitor) == 1 and [k for k in keys if k not in monitor] == NOTED[name]
     a, ob = cfg.actor_rollout_ref.actor, cfg.reward_model.overlong_buffer

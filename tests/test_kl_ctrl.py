@@ -217,15 +217,18 @@ def test_adaptive_kl_loss_coefficient_closes_the_loop_on_its_target():
 
 def test_a_controller_with_nothing_to_steer_warns_once(capsys):
     from nanokl.harness.config.load import load_config
-    from nanokl.harness.config.notes import startup_notes
-    lines = startup_notes(load_config(None, ARTICLE))
+    from nanokl.harness.config.notes import kl_term_notes, startup_notes
+
+    def controller_lines(cfg):  # the KL term's own notes (no KL term: verl's defaults) are test_config_verl's
+        return [n for n in startup_notes(cfg) if n not in kl_term_notes(cfg)]
+    lines = controller_lines(load_config(None, ARTICLE))
     assert len(lines) == 1 and lines[0].startswith("warning: algorithm.kl_ctrl.type=adaptive steers beta")
     assert "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive" in lines[0]
-    lines = startup_notes(load_config(None, ["actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive"]))
+    lines = controller_lines(load_config(None, ["actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive"]))
     assert len(lines) == 1 and "use_kl_loss is false" in lines[0]
     for quiet in (["algorithm.kl_ctrl.type=adaptive", "algorithm.use_kl_in_reward=true"],
                   ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive"]):
-        assert startup_notes(load_config(None, quiet)) == []
+        assert startup_notes(load_config(None, quiet)) == []  # a KL term, and its controller steers it
     bad = "actor_rollout_ref.actor.kl_loss_coef=0"
     with pytest.raises(ValueError, match="kl_loss_coef must be > 0 with kl_loss_ctrl.type=adaptive"):
         load_config(None, ["actor_rollout_ref.actor.kl_loss_ctrl.type=adaptive", bad])

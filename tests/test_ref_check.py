@@ -12,6 +12,8 @@
 """
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -124,3 +126,103 @@ def test_diagnose_names_each_cause():
     run = _models()
     run.ref.train()
     assert "train mode" in ref_check.diagnose(run)
+
+
+# ---------------------------------------------------------------------------------------------
+# the recheck: the weights exactly (checksum), the outputs within what kernels guarantee
+# ---------------------------------------------------------------------------------------------
+
+def naive_checksum(model):
+    """ref_check.checksum written out: Python integers over numpy's view of each parameter's bits, reduced
+    modulo 2^64 into int64's range at the end."""
+    import numpy as np
+    plain = weighted = 0
+    for p in model.parameters():
+        flat = p.detach().reshape(-1)
+        # numpy has no bfloat16: torch reinterprets the bits, numpy and Python do the sums
+        bits = flat.view({2: torch.int16, 4: torch.int32}[flat.element_size()]).numpy().astype(np.int64).tolist()
+        for i, b in enumerate(bits):
+            plain += b
+            weighted += b * (i % 65521 + 1)
+    wrap = lambda v: (v + 2 ** 63) % 2 ** 64 - 2 ** 63  # noqa: E731
+    return [wrap(plain), wrap(weighted)]
+
+
+def test_checksum_equals_a_naive_loop_and_sees_one_ulp_and_a_swap(monkeypatch):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3).to(torch.bfloat16))
+    monkeypatch.setattr(ref_check, "_CHUNK", 8)  # several chunks per parameter, as a large embedding has
+    assert ref_check.checksum(model).tolist() == naive_checksum(model)
+    before = ref_check.checksum(model)
+    w = model[0].weight.data
+    w[2, 3] = torch.nextafter(w[2, 3], torch.tensor(1.0))  # one ulp
+    assert not torch.equal(ref_check.checksum(model), before)
+    w[2, 3] = torch.nextafter(w[2, 3], torch.tensor(-1.0))
+    assert torch.equal(ref_check.checksum(model), before)
+    w[0, 0], w[1, 1] = w[1, 1].clone(), w[0, 0].clone()  # the plain sum cannot see a swap; the weighted one does
+    assert not torch.equal(ref_check.checksum(model), before)
+
+
+@pytest.fixture
+def probe_run(sft_dir, tmp_path):
+    """A set-up run (no step taken) with the reference's probe recorded at setup."""
+    from nanokl.harness.config.load import parse_cli
+    from nanokl.harness.run import setup
+    run = setup(parse_cli(["--config", str(ROOT / "configs" / "arith_tiny.yaml"), *TINY,
+                           f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={tmp_path}"]))
+    assert run.ref_probe is not None and run.ref_probe[1] is not None
+    return run
+
+
+def test_the_recheck_stays_quiet_under_load_and_another_thread_count(probe_run):
+    """The false alarm seen on a busy 2-core node: the same reference, rechecked while other processes spin
+    and with another intra-op thread count than the record's, is not stopped; and the log-probs' last bits
+    (here moved by 1e-6, the size of a float32 sum split another way) are not what the check compares."""
+    threads = torch.get_num_threads()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            metrics = {}
+            assert ref_check.recheck(probe_run, 10, metrics) is None
+            assert metrics["monitor/ref_consistent"] == 1.0 and metrics["monitor/ref_logp_diff"] < 1e-4
+    finally:
+        for p in busy:
+            p.kill()
+        torch.set_num_threads(threads)
+    summed, batch, recorded = probe_run.ref_probe
+    probe_run.ref_probe = summed, batch, recorded + 1e-6 * torch.randn_like(recorded)
+    assert ref_check.recheck(probe_run, 10, {}) is None  # bit-for-bit would have stopped this healthy run
+
+
+def test_the_recheck_stops_on_an_in_place_write_a_hook_and_a_reference_in_the_optimizer(probe_run):
+    ref = probe_run.ref
+    p = next(ref.parameters())
+    keep = p.data.clone()
+    with torch.no_grad():
+        p.view(-1)[5] = torch.nextafter(p.view(-1)[5], torch.tensor(1.0))  # one ulp of one weight
+    metrics = {}
+    line = ref_check.recheck(probe_run, 10, metrics)
+    assert metrics["monitor/ref_consistent"] == 0.0
+    assert "checksum differs" in line and "changed by something outside the trainer" in line, line
+    assert metrics["monitor/ref_logp_diff"] < 1e-4  # an ulp the probe's outputs do not show: the checksum does
+    p.data.copy_(keep)
+    assert ref_check.recheck(probe_run, 10, {}) is None  # restored, it passes again
+
+    probe_run.actor_opt.add_param_group({"params": [p], "lr": 1e-12})  # a reference trained by mistake
+    with torch.no_grad():
+        p.add_(1e-12 * torch.ones_like(p))  # what that optimizer's tiny step does to it
+    line = ref_check.recheck(probe_run, 10, {})
+    assert "checksum differs" in line and "sits in the actor's optimizer" in line, line
+    probe_run.actor_opt.param_groups.pop()
+    p.data.copy_(keep)
+
+    # a hook on the last norm (the fused head reads its output): weights untouched, outputs not
+    hook = ref.model.norm.register_forward_hook(lambda mod, args, out: out * 1.1)
+    try:
+        metrics = {}
+        line = ref_check.recheck(probe_run, 10, metrics)
+        assert "moved by up to" in line and "parameters unchanged" in line, line
+        assert metrics["monitor/ref_logp_diff"] > 1e-4
+    finally:
+        hook.remove()

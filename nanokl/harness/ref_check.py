@@ -17,37 +17,40 @@ Two checks, both cheap:
    (`untyped_storage().data_ptr()` equal), require grad, or sit in an optimizer's param groups?
    Any of these ends the run at once (TrainingStopped: "error: ..." and exit status 1), since no step
    of such a run would be worth its time.
-2. The probe (`record`, `recheck`): the reference's log-probs on a fixed probe batch, recorded at
-   setup and, with the KL monitor on (trainer.kl_monitor.enable), recomputed every
-   `trainer.kl_monitor.ref_check_freq` steps (default 10; 0: never); the two must be
-   bit-for-bit equal (torch.equal). A difference stops the run as a monitor stop does: a checkpoint
-   of the step, one line naming the likely cause (found by `diagnose`; when none of the storage
-   causes holds: "changed by something outside the trainer"), exit status 0. This is the check that
-   catches what the setup test cannot see: a tie made later, an in-place write, a hook.
+2. The recheck (`record_probe`, `recheck`), with the KL monitor on (trainer.kl_monitor.enable),
+   every `trainer.kl_monitor.ref_check_freq` steps (default 10; 0: never). Two readings recorded at
+   setup are taken again:
+   - the parameters' checksum (`checksum`), which must be *exactly* equal: each parameter's bits, read
+     as integers, summed with position weights in int64. Integer sums are exact and do not depend on
+     the order of the additions, so thread counts, a busy machine or another kernel cannot move them;
+     any write to any weight (a tiny learning rate on a reference put in an optimizer by mistake, an
+     in-place add, a tie to a model that trains) changes them;
+   - the reference's log-probs on a fixed probe batch, which must agree within `PROBE_ATOL` +
+     `PROBE_RTOL`·|log p|: they catch what changes the reference's *output* with its weights untouched
+     (a forward hook, a patched module, another dtype). Bit-for-bit is not what kernels guarantee
+     here: a CPU matmul splits its sums by the intra-op thread count, and a loaded node ran the same
+     reference to other last bits, which once stopped a healthy run (tests/test_ref_check.py runs the
+     recheck under load and with another thread count and stays quiet).
+   Either difference stops the run as a monitor stop does: a checkpoint of the step, one line naming
+   the likely cause (found by `diagnose`; when none of the storage causes holds: "changed by
+   something outside the trainer"), exit status 0. This is the check that catches what the setup test
+   cannot see: a tie made later, an in-place write, a hook.
 
 The probe batch. The first `PROBE_PROMPTS` held-out prompts (training prompts when there is no
 held-out set), templated and left-padded as the step's prompts are; the "response" is each prompt's
 own last R tokens, R = the shortest prompt's length - 1, so every row scores R real tokens and no
 generation is needed (a greedy continuation would cost a rollout and, under FSDP2, a sharded model
-cannot generate). Every weight the model uses on these tokens enters the log-probs, the LM head's
-every row through the softmax's denominator; an embedding row of a token absent from the probe does
-not, which is the probe's blind spot (the storage test has none: it inspects every parameter).
-Under torchrun every rank computes the same probe (a forward of a few rows) and the equality flag is
-reduced with min, so every rank takes the same decision at the same step.
-
-Why exact equality holds. The reference is in eval mode and never changes; the probe is the same
-tensors, cut into the same micro-batches (the reference's batching spec), run by the same kernels
-on the same device under the same autocast; no op in the forward is random or atomically
-accumulated, so the same inputs give the same bits (cuBLAS documents bitwise reproducibility for
-the same GPU architecture and configuration; the CPU kernels are deterministic). A tolerance would
-only hide a small drift, such as a tiny learning rate on a reference put in an optimizer by mistake.
+cannot generate). The checksum has no blind spot: it reads every parameter. Under torchrun each rank
+sums its own shard and computes the same probe, and the equality flag is reduced with min, so every
+rank takes the same decision at the same step.
 
 Resume. The reference is reloaded from actor_rollout_ref.model.path at every start, so the probe is
 recorded again at setup, from the reloaded weights; nothing of it is kept in a checkpoint. (A file
 at that path replaced between two runs would therefore pass: it is the reference of the new run.)
 
-The recheck logs monitor/ref_consistent (1.0 equal, 0.0 not) and timing_s/ref_check on the steps it
-runs. It is not one of the monitor's CHECKS: those read a step's metrics; this one runs a model.
+The recheck logs monitor/ref_consistent (1.0 equal, 0.0 not), monitor/ref_logp_diff (the probe's
+largest |change| of a log-prob) and timing_s/ref_check on the steps it runs. It is not one of the
+monitor's CHECKS: those read a step's metrics; this one runs a model.
 tests/test_ref_check.py plants a reference that shares the actor's parameters in a real run.
 """
 
@@ -60,6 +63,28 @@ from nanokl.harness.run_state import TrainingStopped
 from nanokl.forwards import compute_log_probs
 
 PROBE_PROMPTS = 8  # rows of the probe: a few, so that a recheck costs one small forward
+# How far the probe's log-probs may move with untouched weights: float32 sums re-split across threads
+# move a log-prob by ~1e-6; bf16 by ~1e-2 of its size. A hook or patch that matters moves them more.
+PROBE_ATOL, PROBE_RTOL = 1e-4, 1e-2
+_CHUNK = 1 << 22  # elements summed at a time: bounds the int64 temporaries of a large embedding
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(model) -> torch.Tensor:
+    """Two int64 sums over every parameter's bits (this rank's shard under FSDP2): the plain sum and
+    one weighted by position (1 + i mod 65521), so that swapped values count too. Exact (int64 wraps
+    modulo 2^64, which keeps the sums exact and order-free), whatever the order of the additions."""
+    total = None  # on the parameters' device: one host read at the end, not one per parameter
+    for p in shard.unwrap(model).parameters():
+        p = p.to_local() if hasattr(p, "to_local") else p
+        flat = p.detach().reshape(-1)
+        bits = flat.view(_INT[flat.element_size()])
+        for start in range(0, bits.numel(), _CHUNK):
+            chunk = bits[start:start + _CHUNK].to(torch.int64)
+            weight = (torch.arange(start, start + len(chunk), device=chunk.device) % 65521) + 1
+            part = torch.stack([chunk.sum(), (chunk * weight).sum()])
+            total = part if total is None else total + part
+    return torch.zeros(2, dtype=torch.int64) if total is None else total.cpu()
 
 
 def probe_batch(run) -> dict | None:
@@ -133,12 +158,13 @@ def check_setup(run):
 
 
 def record_probe(run):
-    """The reference's log-probs on the probe batch now: (batch, log-probs), or None (no probe)."""
+    """The reference now: (its checksum, the probe batch or None, its log-probs or None), or None when
+    the recheck is off."""
     km = run.cfg.trainer.kl_monitor
     if not km.enable or km.ref_check_freq <= 0:
         return None
     batch = probe_batch(run)
-    return None if batch is None else (batch, _probe_log_probs(run, batch))
+    return checksum(run.ref), batch, None if batch is None else _probe_log_probs(run, batch)
 
 
 def recheck(run, done: int, metrics: dict) -> str | None:
@@ -147,13 +173,23 @@ def recheck(run, done: int, metrics: dict) -> str | None:
     freq = run.cfg.trainer.kl_monitor.ref_check_freq
     if run.ref_probe is None or freq <= 0 or done % freq:
         return None
-    batch, recorded = run.ref_probe
+    summed, batch, recorded = run.ref_probe
     with timer(metrics, "ref_check", run.device):
-        same = torch.equal(_probe_log_probs(run, batch), recorded)
-        same = bool(dist.all_reduce(torch.tensor(int(same)), op="min").item())  # one decision for every rank
-    metrics["monitor/ref_consistent"] = float(same)
-    if same:
+        weights_same = torch.equal(checksum(run.ref), summed)
+        diff = 0.0
+        if batch is not None:
+            now = _probe_log_probs(run, batch)
+            diff = float((now - recorded).abs().max())
+            outputs_same = bool(((now - recorded).abs() <= PROBE_ATOL + PROBE_RTOL * recorded.abs()).all())
+        else:
+            outputs_same = True
+        flags = dist.all_reduce(torch.tensor([int(weights_same), int(outputs_same)]), op="min")  # one decision
+        weights_same, outputs_same = bool(flags[0]), bool(flags[1])
+    metrics["monitor/ref_consistent"] = float(weights_same and outputs_same)
+    metrics["monitor/ref_logp_diff"] = diff
+    if weights_same and outputs_same:
         return None
+    what = ("its parameters' checksum differs from the one recorded at start" if not weights_same else
+            f"its log-probs on the probe batch moved by up to {diff:.3g} with its parameters unchanged")
     cause = diagnose(run) or "changed by something outside the trainer (an in-place write, a hook, another process)"
-    return (f"reference check stopped the run at step {done}: the reference's log-probs on the probe batch "
-            f"differ from those recorded at start; likely cause: {cause}")
+    return f"reference check stopped the run at step {done}: {what}; likely cause: {cause}"

@@ -132,9 +132,13 @@ VERL_NOTES = {
 }
 
 
+LONG_CONTEXT = 2048  # the KL-tuning guide's "long context" (its section on risks and rollback)
+
+
 def startup_notes(cfg) -> list[str]:
-    """One line per verl key set to something nanokl does otherwise (VERL_NOTES), and one per KL
-    controller with nothing to steer. Printed once, on rank 0, by harness/run.py's setup."""
+    """One line per verl key set to something nanokl does otherwise (VERL_NOTES), one per KL
+    controller with nothing to steer, one for a run with no KL term or a KL loss weight that weighs
+    nothing, one for a context past LONG_CONTEXT. Printed once, on rank 0, by harness/run.py's setup."""
     defaults, lines = Config(), []
     for key, note in VERL_NOTES.items():
         value = get_key(cfg, key)
@@ -156,9 +160,31 @@ def startup_notes(cfg) -> list[str]:
                f"to steer the KL loss's coefficient set {_A}kl_loss_ctrl.type=adaptive")
         lines.append(f"warning: algorithm.kl_ctrl.type={alg.kl_ctrl.type} steers beta of the in-reward KL penalty, but "
                      f"algorithm.use_kl_in_reward is false: the controller has nothing to steer; {fix}")
+    lines += kl_term_notes(cfg)
     if a.kl_loss_ctrl.type == "adaptive" and not a.use_kl_loss:
         lines.append(f"warning: {_A}kl_loss_ctrl.type=adaptive steers kl_loss_coef, but {_A}use_kl_loss is false: "
                      f"the controller has nothing to steer")
+    return lines
+
+
+def kl_term_notes(cfg) -> list[str]:
+    """What the KL-tuning guide's reader should hear at start: a PPO run with no KL term (verl's
+    defaults have none: both switches off), a KL-loss weight that weighs nothing, and a context past
+    LONG_CONTEXT with the guide's advice for it."""
+    alg, a, lines = cfg.algorithm, cfg.actor_rollout_ref.actor, []
+    if a.objective == "ppo" and not alg.use_kl_in_reward and not a.use_kl_loss:
+        lines.append(f"note: no KL term: neither algorithm.use_kl_in_reward nor {_A}use_kl_loss is on, so nothing "
+                     f"holds the policy near the reference (DAPO's choice); algorithm.use_kl_in_reward=true or "
+                     f"{_A}use_kl_loss=true adds one")
+    if not a.use_kl_loss and a.kl_loss_coef not in (0, Config().actor_rollout_ref.actor.kl_loss_coef):
+        lines.append(f"note: {_A}kl_loss_coef={a.kl_loss_coef} weighs nothing: {_A}use_kl_loss is false "
+                     f"({_A}use_kl_loss=true turns the KL loss on)")
+    length = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if length > LONG_CONTEXT and a.objective == "ppo":
+        lines.append(f"note: prompt + response reach {length} tokens (> {LONG_CONTEXT}), where the KL-tuning guide "
+                     f"sees the KL fail as reward hacking (high reward, garbled text); it advises a fixed beta "
+                     f"(algorithm.kl_ctrl.type=fixed), an early stop (trainer.kl_monitor.kl_stop_action=stop: KL > "
+                     f"0.2 on 5 steps in a row), and GRPO as the fallback (algorithm.adv_estimator=grpo)")
     return lines
 
 
