@@ -23,6 +23,7 @@ KNOBS = {"kl_weight": 0.05, "target_kl": 0.05, "actor_lr": 2e-5}
 
 
 def cfg(**kw):
+    kw.setdefault("kl_critical", math.inf)  # written before kl_critical (test_monitor.py tests it); streams reach 0.3
     return dataclasses.replace(KLMonitorConfig(enable=True), **kw)
 
 

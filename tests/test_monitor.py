@@ -7,6 +7,7 @@ streak counts, and the metrics after each step.
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,10 @@ def cfg(**kw):
     """The tests below were written for a band that acts at its edges (the behaviour before separate act
     thresholds, kept by setting them to the edges) and without escalation; tests/test_hacking.py tests
     the article's act thresholds, the escalation and the quiet start. They were also written for the early
-    stop acting (kl_stop_action "stop", its default before the monitor went on by default, warn only)."""
+    stop acting (kl_stop_action "stop", its default before the monitor went on by default, warn only), and
+    before kl_critical (KL >= 0.3 in one step), which their streams reach: it is off (inf) unless a test sets
+    it (test_kl_critical_*)."""
+    kw.setdefault("kl_critical", math.inf)
     kw.setdefault("kl_stop_action", "stop")
     kw.setdefault("kl_high_act", kw.get("kl_high", 0.08))
     kw.setdefault("kl_low_act", kw.get("kl_low", 0.02))
@@ -103,8 +107,8 @@ def test_a_healthy_stream_fires_nothing():
     assert run(mon, [HEALTHY] * 20) == [([], "ok")] * 20
     assert mon.metrics() == {"monitor/healthy": 1.0, "monitor/kl_band_fired": 0.0, "monitor/kl_var_fired": 0.0,
                              "monitor/entropy_fired": 0.0, "monitor/reward_var_fired": 0.0,
-                             "monitor/collapse_fired": 0.0, "monitor/kl_stop_fired": 0.0,
-                             "monitor/kl_band_violations": 0.0,
+                             "monitor/collapse_fired": 0.0, "monitor/kl_critical_fired": 0.0,
+                             "monitor/kl_stop_fired": 0.0, "monitor/kl_band_violations": 0.0,
                              "monitor/kl_over_stop_streak": 0.0, "monitor/rollbacks": 0.0,
                              "monitor/escalations": 0.0}
     assert mon.rollback_safe
@@ -193,10 +197,11 @@ def test_nan_fails_every_check_it_enters_and_counts_toward_stopping():
     mon = KLMonitor(cfg(kl_stop_patience=2))
     nan = math.nan
     assert run(mon, [{KL: nan, KL_VAR: nan, ENT: nan, RVAR: nan}]) == \
-        [([("collapse", "warn"), ("entropy", "warn"), ("kl_band", "warn"), ("kl_var", "warn"), ("reward_var", "warn")],
-          "warn")]
+        [([("collapse", "warn"), ("entropy", "warn"), ("kl_band", "warn"), ("kl_critical", "warn"), ("kl_var", "warn"),
+           ("reward_var", "warn")], "warn")]  # kl_critical too, though cfg() sets its level to inf
     assert mon.kl_over_stop_streak == 1
-    assert run(mon, [{KL: nan}], first_step=2) == [([("kl_band", "warn"), ("kl_stop", "stop")], "stop")]
+    assert run(mon, [{KL: nan}], first_step=2) == [([("kl_band", "warn"), ("kl_critical", "warn"), ("kl_stop", "stop")],
+                                                    "stop")]
 
 
 def test_tensor_metrics_are_read():
@@ -207,7 +212,8 @@ def test_tensor_metrics_are_read():
 
 def test_state_round_trip_resumes_exactly():
     c = load_config(None, ["trainer.kl_monitor.enable=true", "trainer.kl_monitor.kl_stop_action=rollback",
-                           "trainer.kl_monitor.kl_stop_patience=3"]).trainer.kl_monitor
+                           "trainer.kl_monitor.kl_stop_patience=3",
+                           "trainer.kl_monitor.kl_critical=0.5"]).trainer.kl_monitor  # the stream's 0.3 is kl_stop's
     stream = [{**HEALTHY, KL: k, ENT: e} for k, e in
               [(0.05, 1.0), (0.3, 1.0), (0.3, 0.1), (0.05, 1.0), (0.3, 1.0), (0.3, 1.0), (0.3, 1.0), (0.3, 0.5)]]
     straight = KLMonitor(c)
@@ -352,3 +358,27 @@ def test_fixed_kl_arms_the_stop():
     assert mon.check(1, {KL: 0.5})[0].action == "warn"
     mon.stop_armed = True
     assert mon.check(2, {KL: 0.5})[0].action == "stop" and mon.health == "stop"
+
+
+def test_kl_critical_fires_on_the_first_step_at_or_above_0_3_and_never_below():
+    """The guide's OOM/NaN level: no patience, >= (0.3 itself fires), NaN fires, 0.2999 does not; its
+    action is its own (stop in the conservative preset), and the default is a warning."""
+    stream = [{**HEALTHY, KL: v} for v in (0.05, 0.2999, 0.3, 0.1, 0.45, math.nan)]
+    assert fire_steps(KLMonitor(cfg(kl_critical=0.3)), stream, "kl_critical") == [3, 5, 6]
+    assert KLMonitorConfig().kl_critical == 0.3 and KLMonitorConfig().kl_critical_action == "warn"
+    mon = KLMonitor(cfg(kl_critical=0.3, kl_critical_action="stop", kl_stop_action="warn"))
+    out = run(mon, stream[:3])
+    assert out[2] == ([("kl_band", "warn"), ("kl_critical", "stop")], "stop")  # kl_stop's streak is 2: not yet
+    assert mon.metrics()["monitor/kl_critical_fired"] == 1.0 and mon.metrics()["monitor/action/kl_critical"] == 4.0
+    mon = KLMonitor(cfg(kl_critical=0.3))
+    events = mon.check(1, {**HEALTHY, KL: 0.31})
+    assert [e.check for e in events] == ["kl_band", "kl_critical"] and "0.31 >= 0.3" in events[1].message
+    mon.check(2, {KL_VAR: 0.01})  # no KL this step: the check does not run
+    assert "monitor/kl_critical_fired" not in mon.metrics()
+
+
+def test_kl_critical_in_the_preset_that_acts():
+    from nanokl.harness.config.load import load_config
+    root = Path(__file__).resolve().parents[1]
+    km = load_config(root / "configs" / "presets" / "conservative.yaml").trainer.kl_monitor
+    assert (km.kl_critical, km.kl_critical_action) == (0.3, "stop")

@@ -21,6 +21,7 @@ rules of thumb, not measurements) (KL mean
   collapse    KL > collapse_kl while entropy < collapse_entropy   both of the above
   critic      explained variance < critic_ev_min (0; the article   critic/vf_explained_var
               says 0.8, for dense rewards: config.py says why)
+  kl_critical KL >= kl_critical (0.3), one step is enough           (the KL above)
   kl_stop     KL > kl_stop on kl_stop_patience consecutive        (the KL above)
               steps (fires at the patience-th, and every step
               after while the streak lasts)
@@ -80,7 +81,8 @@ The defaults are the article's prescriptions:
                                                            with a KL loss, else algorithm.kl_penalty)
   entropy low                entropy_coeff -> 0.01        (the entropy bonus)
   collapse                   kl_weight x 1.2
-  (ours) reward variance high  kl_weight x 1.5; critic weak  critic_lr x 2; kl_stop  kl_weight x 2
+  (ours) reward variance high  kl_weight x 1.5; critic weak  critic_lr x 2; kl_stop, kl_critical
+                             kl_weight x 2
 Escalation (trainer.kl_monitor.escalation, default "reference"): when the KL is above kl_high_act and
 kl_high_adjust's knob sits at its limit (at it, not merely cooling down), the adjust turns
 kl_high_escalate instead, actor_lr x 0.5 (never below 1e-6, at most every 5 steps, as beta), and under
@@ -272,6 +274,10 @@ class KLMonitor:
                 failed["critic"] = f"critic explained variance {ev:.4g} < {c.critic_ev_min} ({EV_KEY})"
         failed.update(hacking.check(self, step, metrics))
         if kl is not None:
+            self.fired["kl_critical"] = 0.0
+            if not kl < c.kl_critical:  # NaN fires too
+                failed["kl_critical"] = (f"KL {kl:.4g} >= {c.kl_critical}, where the KL-tuning guide sees "
+                                         f"out-of-memory and NaN losses ({kl_key})")
             self.kl_over_stop_streak = 0 if kl <= c.kl_stop else self.kl_over_stop_streak + 1  # NaN counts
             self.fired["kl_stop"] = 0.0
             if self.kl_over_stop_streak >= c.kl_stop_patience:

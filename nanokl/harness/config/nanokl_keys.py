@@ -9,7 +9,7 @@ from typing import ClassVar, Literal, Optional, Union
 MonitorAction = Literal["warn", "adjust", "stop", "rollback"]  # what a failing KL-monitor check does (monitor.py)
 HACKING_CHECKS = ("length_drift", "degenerate", "ratio_band")  # the reward-hacking checks (harness/hacking.py)
 CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "collapse", "critic", *HACKING_CHECKS,
-          "kl_stop")  # every check of the KL monitor, each with its `<check>_action` below; the order events come in
+          "kl_critical", "kl_stop")  # every check of the KL monitor, each with its `<check>_action` below; the order events come in
 KNOBS = ("kl_weight", "target_kl", "kl_type", "entropy_coeff", "actor_lr", "critic_lr")  # what `adjust` may turn
 RENAMED_KNOBS = {"kl_coef": "kl_weight"}  # refused by their old name, naming the new (config/rules.py)
 
@@ -55,11 +55,15 @@ class KLMonitorConfig:
     reward_var_max: float = 2.0  # score variance across responses must stay below this (else suspect reward hacking)
     kl_stop: float = 0.2  # a step whose KL exceeds this counts toward the stop check
     kl_stop_patience: int = 5  # that many consecutive such steps fire the stop check
+    # one step's KL at or above this fires kl_critical at once: the level the KL-tuning guide ties to OOM and NaN
+    # losses (no patience: a single step there is already the damage kl_stop waits 5 steps to confirm)
+    kl_critical: float = 0.3
     kl_band_action: MonitorAction = "warn"  # when KL leaves [kl_low, kl_high] (expected early: KL starts at 0)
     kl_var_action: MonitorAction = "warn"  # when the KL variance check fails
     entropy_action: MonitorAction = "warn"  # when the entropy check fails
     reward_var_action: MonitorAction = "warn"  # when the reward variance check fails
     kl_stop_action: MonitorAction = "warn"  # when KL > kl_stop for kl_stop_patience steps in a row ("stop": early stop)
+    kl_critical_action: MonitorAction = "warn"  # when KL >= kl_critical ("stop": save and end; the acting presets')
     collapse_kl: float = 0.15  # collapse: KL above this ...
     collapse_entropy: float = 0.1  # ... while the entropy is below this
     collapse_action: MonitorAction = "warn"
@@ -95,6 +99,7 @@ class KLMonitorConfig:
     length_drift_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
     degenerate_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
     ratio_band_adjust: AdjustRule = _rule("actor_lr", factor=0.5, limit=1e-6, cooldown=10)
+    kl_critical_adjust: AdjustRule = _rule("kl_weight", factor=2.0, limit=1.0, cooldown=5)
     kl_stop_adjust: AdjustRule = _rule("kl_weight", factor=2.0, limit=1.0, cooldown=5)
     # what a rollback does: reload the last healthy checkpoint and raise beta ("healthy"); reload the
     # reference weights into the actor and lower the learning rates ("reference"); or reload the last
