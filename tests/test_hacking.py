@@ -331,3 +331,28 @@ def test_an_escalation_event_cuts_the_lr_and_reloads_the_reference_into_the_acto
     remedies.apply(run, [Event("kl_band", "adjust", "", ("actor_lr", 1e-3, 5e-4), reload=True)])
     assert all(torch.equal(a, r) for a, r in zip(actor.state_dict().values(), ref.state_dict().values()))
     assert len(opt.state) == 0 and opt.param_groups[0]["lr"] == 5e-4
+
+
+def test_garbled_fires_when_the_repetition_rises_past_its_step_while_the_score_rises():
+    """Windows of 2 (steps 1-2 against 3-4): repetition 0.1 -> 0.2 is a rise of exactly 0.1: quiet; 0.2001:
+    fires at step 4 (strict), and at step 5 (3-4 vs 4-5... windows slide); a flat score or a falling
+    repetition: quiet; its adjust raises kl_weight as degenerate's does."""
+    c = cfg(score_window=2, garbled_action="adjust")
+    up = [0.1, 0.1, 0.9, 0.9]
+
+    def stream(reps, scores):
+        return [{REP: r, SCORE: s} for r, s in zip(reps, scores)]
+    assert events(KLMonitor(c), stream([0.1, 0.1, 0.2, 0.2], up), KNOBS) == {}
+    got = events(KLMonitor(c), stream([0.1, 0.1, 0.2001, 0.2001], up), KNOBS)
+    assert got == {4: [("garbled", "adjust", ("kl_weight", 0.05, 0.05 * 1.5), False)]}
+    assert events(KLMonitor(c), stream([0.1, 0.1, 0.4, 0.4], [0.5] * 4)) == {}  # the score does not rise
+    assert events(KLMonitor(c), stream([0.4, 0.4, 0.1, 0.1], up)) == {}  # repetition falls
+    mon = KLMonitor(cfg(score_window=2))
+    events(mon, stream([0.1, 0.1, 0.1], up))
+    assert "monitor/garbled_fired" not in mon.metrics()  # fewer than two windows: the check does not run
+    events(mon, stream([0.1], [0.9]), )
+    assert mon.metrics()["monitor/garbled_fired"] == 0.0
+    state = mon.state_dict()
+    again = KLMonitor(cfg(score_window=2))
+    again.load_state_dict(state)
+    assert again.reps == mon.reps == [0.1, 0.1, 0.1, 0.1]

@@ -19,6 +19,10 @@ step by nanokl/harness/metrics.py and nanokl/ppo.py):
   degenerate    repetition > repetition_max (mean over responses of each      response_repetition/mean,
                 response's share of repeated 3-grams), or the share of        response_length/clip_ratio
                 responses that hit the length limit > length_limit_max
+  garbled       the repetition rose by more than garbled_rise_min (absolute,    response_repetition/mean,
+                window over window, as length_drift) while the score rose:    critic/score/mean
+                the guide's "reward high but the text garbled", seen as it
+                starts rather than at degenerate's absolute level
   ratio_band    the share of tokens whose π/π_old leaves [0.8, 1.2] (the      actor/ratio_out_band
                 update moved far past a PPO step) > ratio_out_band_max
 
@@ -119,6 +123,14 @@ def check(mon, step, metrics) -> dict:
             why.append(f"{clip:.3g} of responses hit the length limit > {c.length_limit_max} ({CLIP_KEY})")
         if why:
             failed["degenerate"] = "; ".join(why)
+    if rep is not None:
+        mon.reps = (mon.reps + [rep])[-2 * w:]
+        if len(mon.reps) == 2 * w:
+            mon.fired["garbled"] = 0.0
+            up = _mean(mon.reps[w:]) - _mean(mon.reps[:w])
+            if not up <= c.garbled_rise_min and mon.rising():
+                failed["garbled"] = (f"repeated 3-grams up {up:.3g} (> {c.garbled_rise_min}) over {w} steps while "
+                                     f"the score rises ({REPETITION_KEY})")
     ratio = _read(metrics, RATIO_KEY)
     if ratio is not None:
         mon.fired["ratio_band"] = 0.0

@@ -25,7 +25,7 @@ rules of thumb, not measurements) (KL mean
   kl_stop     KL > kl_stop on kl_stop_patience consecutive        (the KL above)
               steps (fires at the patience-th, and every step
               after while the streak lasts)
-  length_drift, degenerate, ratio_band: reward hacking (response length, repetition, the
+  length_drift, degenerate, garbled, ratio_band: reward hacking (response length, repetition, the
               policy ratio), nanokl/harness/hacking.py
 
 The metrics, as the trainer must log them (verl's names where verl has one):
@@ -197,6 +197,7 @@ class KLMonitor:
         self.actions = {}  # this step: check -> the action it took (monitor/action/<check>)
         self.escalations = 0  # kl_high escalations done (actor_lr cuts, with a reload under "reference")
         self.lengths, self.truths, self.vals = [], [], []  # hacking.py's windows: lengths, rule scores, val acc
+        self.reps = []  # and the repetition (garbled)
         self.rise = None  # this step's relative length rise (monitor/length_rise), None until 2 windows
 
     def rising(self) -> bool:
@@ -354,7 +355,7 @@ class KLMonitor:
                 "fired": dict(self.fired), "last_adjusted": dict(self.last_adjusted), "adjusted": dict(self.adjusted),
                 "changes": dict(self.changes), "scores": list(self.scores), "stop_armed": self.stop_armed,
                 "actions": dict(self.actions), "escalations": self.escalations, "lengths": list(self.lengths),
-                "truths": list(self.truths), "vals": list(self.vals), "rise": self.rise}
+                "truths": list(self.truths), "vals": list(self.vals), "rise": self.rise, "reps": list(self.reps)}
 
     def load_state_dict(self, state: dict):
         self.kl_over_stop_streak = int(state["kl_over_stop_streak"])
@@ -371,3 +372,4 @@ class KLMonitor:
         self.lengths, self.truths, self.vals = ([float(v) for v in state.get(k, [])]
                                                 for k in ("lengths", "truths", "vals"))
         self.rise = state.get("rise")
+        self.reps = [float(v) for v in state.get("reps", [])]  # (checkpoints from before garbled had none)

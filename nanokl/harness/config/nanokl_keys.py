@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional, Union
 
 MonitorAction = Literal["warn", "adjust", "stop", "rollback"]  # what a failing KL-monitor check does (monitor.py)
-HACKING_CHECKS = ("length_drift", "degenerate", "ratio_band")  # the reward-hacking checks (harness/hacking.py)
+HACKING_CHECKS = ("length_drift", "degenerate", "garbled", "ratio_band")  # the reward-hacking checks (harness/hacking.py)
 CHECKS = ("kl_band", "kl_var", "entropy", "reward_var", "collapse", "critic", *HACKING_CHECKS,
           "kl_critical", "kl_stop")  # every check of the KL monitor, each with its `<check>_action` below; the order events come in
 KNOBS = ("kl_weight", "target_kl", "kl_type", "entropy_coeff", "actor_lr", "critic_lr")  # what `adjust` may turn
@@ -80,6 +80,10 @@ class KLMonitorConfig:
     repetition_max: float = 0.5  # degenerate: mean share of repeated 3-grams per response above this ...
     length_limit_max: float = 0.5  # ... or the share of responses hitting the length limit above this
     degenerate_action: MonitorAction = "warn"
+    # garbled: "reward up, text garbled" (the KL-tuning guide): the repeated-3-gram share up by more than this
+    # (absolute; the mean of the last score_window steps over those before) while the score rises
+    garbled_rise_min: float = 0.1
+    garbled_action: MonitorAction = "warn"
     ratio_out_band_max: float = 0.2  # share of tokens whose pi/pi_old leaves [0.8, 1.2] must stay at most this
     ratio_band_action: MonitorAction = "warn"
     score_window: int = 5  # "the score rises": the mean of the last this-many steps beats the mean of those before
@@ -98,6 +102,7 @@ class KLMonitorConfig:
     critic_adjust: AdjustRule = _rule("critic_lr", factor=2.0, limit=1e-3, cooldown=20)
     length_drift_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
     degenerate_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
+    garbled_adjust: AdjustRule = _rule("kl_weight", factor=1.5, limit=1.0, cooldown=5)
     ratio_band_adjust: AdjustRule = _rule("actor_lr", factor=0.5, limit=1e-6, cooldown=10)
     kl_critical_adjust: AdjustRule = _rule("kl_weight", factor=2.0, limit=1.0, cooldown=5)
     kl_stop_adjust: AdjustRule = _rule("kl_weight", factor=2.0, limit=1.0, cooldown=5)
