@@ -23,3 +23,12 @@ def test_plot_writes_a_png(tmp_path):
     (tmp_path / "config.yaml").write_text("trainer:\n  kl_monitor: {enable: true, kl_low: 0.02, kl_high: 0.08}\n")
     out = plot_run(tmp_path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_monitor_events_are_the_checks_that_fired_with_their_action():
+    from nanokl.harness.plot import monitor_events
+    rows = [{"training/global_step": 1, "monitor/kl_band_fired": 0.0},
+            {"training/global_step": 2, "monitor/action/kl_band": 1.0, "monitor/action/kl_critical": 4.0},
+            {"training/global_step": 3},
+            {"training/global_step": 4, "monitor/action/entropy": 2.0}]
+    assert monitor_events(rows) == [(2, "kl_band", "warn"), (2, "kl_critical", "stop"), (4, "entropy", "adjust")]

@@ -2,13 +2,19 @@
 
     python -m nanokl.harness.plot runs/arith_tiny/ppo            # writes runs/arith_tiny/ppo/training.png
 
-Five panels over PPO steps, read from the run's metrics.jsonl (nanokl/harness/tracking.py):
+Seven panels over PPO steps, read from the run's metrics.jsonl (nanokl/harness/tracking.py):
   1. the per-token KL in the reward (`actor/reward_kl_penalty`) against `target_kl`, with the
      KL monitor's healthy band shaded when the run's config has one (trainer.kl_monitor);
   2. the KL coefficient beta the adaptive controller chose (`actor/reward_kl_penalty_coeff`);
   3. the training score (`critic/score/mean`);
   4. the policy's mean token entropy (`actor/entropy`);
-  5. held-out accuracy (`val-core/*/acc/mean@1`), greedy, at every validation.
+  5. mean response length (`response_length/mean`);
+  6. the clip fraction (`actor/pg_clipfrac`) and the share of tokens whose ratio left [0.8, 1.2]
+     (`actor/ratio_out_band`);
+  7. held-out accuracy (`val-core/*/acc/mean@1`), greedy, at every validation.
+Every KL-monitor event (`monitor/action/<check>`: `monitor_events`) is a vertical line on every
+panel, orange for a warning, red for an action, and named on the KL panel: a health report to look
+at rather than read.
 Needs matplotlib (`pip install -e ".[plot]"`).
 """
 
@@ -19,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from nanokl.harness.config.yaml_io import UserError, run_cli
+from nanokl.harness.monitor import GRAVITY
 from nanokl.harness.tracking import read_metrics
 
 
@@ -26,6 +33,14 @@ def curve(rows, key):
     """(steps, values) of one metric over the rows that have a number for it."""
     pts = [(r["training/global_step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def monitor_events(rows):
+    """[(step, check, action)] of every check the KL monitor fired, in step order (the action read back
+    from the gravity it logs, monitor.GRAVITY)."""
+    action = {g: a for a, g in GRAVITY.items()}
+    return [(r["training/global_step"], k.removeprefix("monitor/action/"), action.get(int(v), str(v)))
+            for r in rows for k, v in r.items() if k.startswith("monitor/action/")]
 
 
 def plot_run(run_dir, out=None) -> Path:
@@ -43,7 +58,7 @@ def plot_run(run_dir, out=None) -> Path:
     kl_ctrl = cfg.get("algorithm", {}).get("kl_ctrl", {})
     monitor = cfg.get("trainer", {}).get("kl_monitor", {})
 
-    fig, axes = plt.subplots(5, 1, figsize=(8, 12), sharex=True)
+    fig, axes = plt.subplots(7, 1, figsize=(8, 16), sharex=True)
     ax = axes[0]
     x, y = curve(rows, "actor/reward_kl_penalty")
     ax.plot(x, y, label="KL (per token, in reward)")
@@ -66,7 +81,20 @@ def plot_run(run_dir, out=None) -> Path:
     if y:  # a learned reward: the rule's verdict on the same rollouts, where reward hacking shows
         axes[2].plot(x, y, label="rule score (same rollouts)")
         axes[2].legend(loc="lower right", fontsize=8)
-    ax = axes[4]
+    axes[4].plot(*curve(rows, "response_length/mean"))
+    axes[4].set_ylabel("response length")
+    axes[5].plot(*curve(rows, "actor/pg_clipfrac"), label="clip fraction")
+    axes[5].plot(*curve(rows, "actor/ratio_out_band"), label="ratio outside [0.8, 1.2]")
+    axes[5].legend(loc="upper left", fontsize=8)
+    axes[5].set_ylabel("share of tokens")
+    events = monitor_events(rows)
+    for step, check, action in events:
+        for a in axes:
+            a.axvline(step, color="orange" if action == "warn" else "red", lw=0.6, alpha=0.6)
+    for step, check in sorted({(s, c) for s, c, _ in events}):  # named once per (step, check)
+        axes[0].annotate(check, (step, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
+                         va="top")
+    ax = axes[6]
     for key in sorted({k for r in rows for k in r if k.startswith("val-core/") and k.endswith("acc/mean@1")}):
         ax.plot(*curve(rows, key), marker="o", label=key.split("/")[1])
     ax.legend(loc="lower right", fontsize=8)
