@@ -31,10 +31,8 @@ from nanokl.harness.hacking import watch_ratio
 from nanokl.harness.metrics import step_metrics, timer
 from nanokl.harness.run import Run, setup, steps
 from nanokl.harness.scoring import score_batch
-from nanokl.harness.variants import exact_kl, reward_kl_metrics
-from nanokl.kl import kl_penalty
-from nanokl.masked import zero_masked
-from nanokl.rewards import apply_kl_penalty, mean_kl
+from nanokl.harness.variants import reward_kl, reward_kl_metrics
+from nanokl.rewards import mean_kl
 from nanokl.supervised.stages import train_missing_stages
 
 
@@ -66,12 +64,7 @@ def ppo_step(run: Run, step: int) -> dict:
         #    (nanokl/kl.py); the controller moves beta toward target_kl from the batch's mean KL
         rewards, mask = scores, batch["response_mask"]
         if alg.use_kl_in_reward:
-            beta = run.kl_ctrl.value
-            if alg.kl_penalty == "full":  # exact, over the vocabulary: both models' logits again
-                kl = exact_kl(run, batch, metrics)
-            else:
-                kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], alg.kl_penalty)
-            kl = zero_masked(kl, mask)
+            beta, kl = run.kl_ctrl.value, reward_kl(run, batch, metrics)
             rewards = scores - beta * kl
             current = run.read_kl(batch, kl, mean_kl(kl, mask, dist.all_reduce), metrics)
             run.kl_ctrl.update(current, n_steps=len(mask) * W)
@@ -182,12 +175,8 @@ def dpo_step(run: Run, step: int) -> dict:
     with timer(metrics, "adv", device):
         if alg.use_kl_in_reward:
             beta, mask = run.kl_ctrl.value, batch["response_mask"]
-            exact = exact_kl(run, batch, metrics) if alg.kl_penalty == "full" else None
-            _, kl, current = apply_kl_penalty(torch.zeros_like(batch["old_log_probs"]),
-                                              batch["old_log_probs"], batch["ref_log_probs"], mask,
-                                              beta, alg.kl_penalty, reduce=dist.all_reduce,
-                                              kl=exact)
-            current = run.read_kl(batch, kl, current, metrics)
+            kl = reward_kl(run, batch, metrics)  # watched, not paid: DPO's loss holds pi near ref
+            current = run.read_kl(batch, kl, mean_kl(kl, mask, dist.all_reduce), metrics)
             run.kl_ctrl.update(current, n_steps=len(mask) * run.world)
             metrics.update(reward_kl_metrics(run, kl, mask, current, beta))
     with timer(metrics, "update_actor", device):

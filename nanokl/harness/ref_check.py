@@ -176,13 +176,11 @@ def recheck(run, done: int, metrics: dict) -> str | None:
     summed, batch, recorded = run.ref_probe
     with timer(metrics, "ref_check", run.device):
         weights_same = torch.equal(checksum(run.ref), summed)
-        diff = 0.0
+        diff, outputs_same = 0.0, True  # no probe batch (prompts too short): the checksum alone
         if batch is not None:
-            now = _probe_log_probs(run, batch)
-            diff = float((now - recorded).abs().max())
-            outputs_same = bool(((now - recorded).abs() <= PROBE_ATOL + PROBE_RTOL * recorded.abs()).all())
-        else:
-            outputs_same = True
+            moved = (_probe_log_probs(run, batch) - recorded).abs()
+            diff = float(moved.max())
+            outputs_same = bool((moved <= PROBE_ATOL + PROBE_RTOL * recorded.abs()).all())
         flags = dist.all_reduce(torch.tensor([int(weights_same), int(outputs_same)]), op="min")  # one decision
         weights_same, outputs_same = bool(flags[0]), bool(flags[1])
     metrics["monitor/ref_consistent"] = float(weights_same and outputs_same)

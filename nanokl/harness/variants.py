@@ -46,7 +46,7 @@ from nanokl.harness.run_state import TrainingStopped
 from nanokl.harness.scoring import sample, sampling_settings, score_batch
 from nanokl.kl import kl_penalty
 from nanokl.kl_probe import ProbeState, corrected_kl, probe_stats, probe_sums
-from nanokl.masked import masked_mean
+from nanokl.masked import masked_mean, zero_masked
 from nanokl.rollout import RolloutOutput, generate
 from nanokl.sampling import GroupBuffer, cat_rows
 
@@ -193,6 +193,17 @@ def probed_kl(run, state, batch, kl, current, metrics):
 
 
 # the KL in the reward (the step computes r_t = score_t - beta * KL_t and moves beta with what read_kl reads)
+
+def reward_kl(run, batch, metrics):
+    """KL_t of step 4, [N, R], 0 past the response_mask: the estimator algorithm.kl_penalty names on
+    the sampled tokens (nanokl/kl.py), or with `full` the exact KL over the vocabulary (exact_kl)."""
+    kind = run.cfg.algorithm.kl_penalty
+    if kind == "full":  # both models' logits again
+        kl = exact_kl(run, batch, metrics)
+    else:
+        kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], kind)
+    return zero_masked(kl, batch["response_mask"])
+
 
 def exact_kl(run, batch, metrics):
     """The exact KL over the vocabulary (kl_penalty `full`) from both models' logits, [N, R]; the k1 and
