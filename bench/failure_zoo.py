@@ -4,11 +4,14 @@ damage comes, and what acting saves.
     python bench/failure_zoo.py                    # the zoo and the healthy runs (2 at a time), table, plot
     python bench/failure_zoo.py --report           # table and plot from runs/failure_zoo/ again
     python bench/failure_zoo.py --steps 300 --only lr25,temp03
+    python bench/failure_zoo.py --only healthy_offline --workers 1   # healthy runs: each config's own length
 
-Each failure is a plain override of configs/arith_tiny.yaml, or a reward function in bench/zoo_rewards.py,
-run twice: `warn` (the checklist as shipped: every check warns) and `act` (ACT: the remedies the KL-tuning
+Each failure is a plain override of configs/arith_tiny.yaml, a reward function in bench/zoo_rewards.py, or
+(wrongref) the wrapper bench/zoo_wrongref.py, which gives the reference another model's weights (the same
+warm start cut at WRONGREF_SFT_STEPS steps, trained here once). Each is run twice: `warn` (the checklist as shipped: every check warns) and `act` (ACT: the remedies the KL-tuning
 guide prescribes, as configs/presets/conservative.yaml sets them, kl_critical stopping). Healthy runs are
-shipped configs at several seeds: every check that fires there is a false alarm.
+shipped configs at several seeds, each at its config's own length unless --healthy-steps says otherwise:
+every check that fires there is a false alarm.
 
 The damage step is defined before any run and is the same for all: the first step where
   - held-out accuracy (val-core/arith/acc/mean@1, every TEST_FREQ steps) is 0.10 or more below its best so far,
@@ -17,8 +20,8 @@ The damage step is defined before any run and is the same for all: the first ste
   - the policy's entropy falls below a third of its first step's.
 The first alarm is the first step at which any check of the monitor fired (monitor/action/<check> logged);
 lead = damage - alarm (positive: the checklist spoke first). A run without damage in its length says so.
-Split (thresholds are the shipped defaults, tuned on nothing here): FIRST_HALF may be used to tune, the
-rest is reported untouched.
+Each warn run's health report (nanokl/harness/plot.py) is written to its folder with the damage step marked.
+Split: thresholds may be tuned on the healthy runs and FIRST_HALF only; the rest is reported untouched.
 """
 
 import argparse
@@ -53,40 +56,58 @@ FAILURES = {  # name: (what, overrides)
     "stale": ("ppo_epochs 8, mini-batches of 8", ["actor_rollout_ref.actor.ppo_epochs=8",
                                                   "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]),
+    "wrongref": ("reference is another model", []),
 }
+WRONGREF_SFT_STEPS = 150  # the default warm start is 600 steps: the same recipe, stopped at a quarter
+WRONGREF = OUT / f"sft_{WRONGREF_SFT_STEPS}"
 FIRST_HALF = ("lr10", "lr25", "beta0", "length", "repeat")
 ACT = [f"{_M}{c}_action=adjust" for c in ("kl_band", "kl_var", "entropy", "collapse", "reward_var", "critic",
                                           "length_drift", "degenerate", "ratio_band")] + \
       [f"{_M}kl_stop_action=rollback", f"{_M}kl_critical_action=stop"]
-HEALTHY = {"default": "configs/arith_tiny.yaml", "grpo": "configs/grpo_arith.yaml", "dapo": "configs/dapo_arith.yaml"}
-HEALTHY_RUN = ("default", "grpo")  # run by default (--only healthy_dapo adds DAPO)
+HEALTHY = {"default": "configs/arith_tiny.yaml", "grpo": "configs/grpo_arith.yaml", "dapo": "configs/dapo_arith.yaml",
+           "offline": "configs/offline_ppo.yaml"}
+HEALTHY_RUN = tuple(HEALTHY)  # run when --only names none
 SEEDS = (42, 43, 44)
 
 
-def command(cfg, run_dir, steps, extra):
-    return [sys.executable, str(ROOT / "train_ppo.py"), "--config", str(ROOT / cfg), *extra,
-            f"trainer.total_training_steps={steps}", f"trainer.test_freq={TEST_FREQ}", "data.num_val=64",
+def command(cfg, run_dir, steps, extra, program=("train_ppo.py",)):
+    length = [f"trainer.total_training_steps={steps}"] if steps else []
+    return [sys.executable, str(ROOT / program[0]), *program[1:], "--config", str(ROOT / cfg), *extra, *length,
+            f"trainer.test_freq={TEST_FREQ}", "data.num_val=64",
             "trainer.save_freq=10", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
             f"trainer.default_local_dir={run_dir}"]
 
 
-def jobs(steps, only):
+def jobs(steps, healthy_steps, only):
     out = {}
     for name, (_, extra) in FAILURES.items():
         if only and name not in only:
             continue
-        out[f"{name}_warn"] = command("configs/arith_tiny.yaml", OUT / f"{name}_warn", steps, extra)
-        out[f"{name}_act"] = command("configs/arith_tiny.yaml", OUT / f"{name}_act", steps, extra + ACT)
+        program = ("bench/zoo_wrongref.py", str(WRONGREF)) if name == "wrongref" else ("train_ppo.py",)
+        for mode, act in (("warn", []), ("act", ACT)):
+            out[f"{name}_{mode}"] = command("configs/arith_tiny.yaml", OUT / f"{name}_{mode}", steps, extra + act,
+                                            program)
     for name, cfg in HEALTHY.items():
         for seed in SEEDS:
             if f"healthy_{name}" in only or not only and name in HEALTHY_RUN:
-                out[f"healthy_{name}_{seed}"] = command(cfg, OUT / f"healthy_{name}_{seed}", steps,
+                out[f"healthy_{name}_{seed}"] = command(cfg, OUT / f"healthy_{name}_{seed}", healthy_steps,
                                                         [f"trainer.seed={seed}", f"data.seed={seed}"])
     return out
 
 
+def make_wrongref():
+    """The other model wrongref's reference loads: the default warm start, stopped early (same tokenizer)."""
+    if not (WRONGREF / "model.safetensors").is_file():
+        subprocess.check_call([sys.executable, "-m", "nanokl.supervised.sft", f"sft.steps={WRONGREF_SFT_STEPS}",
+                               f"sft.output_dir={WRONGREF}"], cwd=ROOT)
+    if (WRONGREF / "tokenizer.json").read_bytes() != (ROOT / "runs/arith_tiny/sft/tokenizer.json").read_bytes():
+        sys.exit(f"{WRONGREF}: another tokenizer than runs/arith_tiny/sft's; delete it and run again")
+
+
 def run_all(todo, workers):
     OUT.mkdir(parents=True, exist_ok=True)
+    if any(name.startswith("wrongref") for name in todo):
+        make_wrongref()
 
     def one(item):
         name, cmd = item
@@ -162,6 +183,8 @@ def report():
         caught += dmg is not None and first is not None and first[0] <= dmg
         if lead is not None:
             leads.append(lead)
+        if dmg:
+            health_report(f"{name}_warn", {dmg: "damage"})
         fa, aa = final_acc(warn), final_acc(act) if act else math.nan
         last = warn[-1]["training/global_step"]
         print(f"| {name}: {what} | {'1st' if name in FIRST_HALF else '2nd'} | "
@@ -181,6 +204,14 @@ def report():
                 al = alarms(rs)
                 print(f"| {name} seed {seed} | {rs[-1]['training/global_step']} | {len({s for s, _ in al})} | "
                       f"{', '.join(sorted({c for _, c in al}))} |")
+
+
+def health_report(name, marks):
+    try:
+        from nanokl.harness.plot import plot_run
+        plot_run(OUT / name, marks=marks)
+    except Exception as e:  # a picture is not worth losing the table over (matplotlib absent, say)
+        print(f"{name}: no health report ({e})", file=sys.stderr)
 
 
 def plot(path):
@@ -213,13 +244,15 @@ def plot(path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--report", action="store_true", help="table and plot from runs/failure_zoo/ only")
-    p.add_argument("--steps", type=int, default=300, help="steps of every run (default 300, the demo's length)")
+    p.add_argument("--steps", type=int, default=300, help="steps of every zoo run (default 300, the demo's length)")
+    p.add_argument("--healthy-steps", type=int, default=None, help="steps of every healthy run (default: the "
+                   "config's own length)")
     p.add_argument("--only", default="", help="comma-separated failures (or healthy_<config>) to run")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--plot", default=str(ROOT / "bench" / "failure_zoo.png"))
     a = p.parse_args()
     if not a.report:
-        run_all(jobs(a.steps, set(filter(None, a.only.split(",")))), a.workers)
+        run_all(jobs(a.steps, a.healthy_steps, set(filter(None, a.only.split(",")))), a.workers)
     report()
     try:
         plot(a.plot)

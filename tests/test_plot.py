@@ -32,3 +32,22 @@ def test_monitor_events_are_the_checks_that_fired_with_their_action():
             {"training/global_step": 3},
             {"training/global_step": 4, "monitor/action/entropy": 2.0}]
     assert monitor_events(rows) == [(2, "kl_band", "warn"), (2, "kl_critical", "stop"), (4, "entropy", "adjust")]
+
+
+def test_a_mark_is_a_dashed_line_at_its_step_on_every_panel(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+    from nanokl.harness import plot
+    rows = [{"training/global_step": s, "actor/reward_kl_penalty": 0.01 * s, "monitor/action/kl_band": 1.0}
+            for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, out, **kw: seen.setdefault("fig", fig))
+    plot.main([str(tmp_path), "--mark", "4:damage"])
+    axes = seen["fig"].axes
+    dashed = [[ln for ln in ax.get_lines() if ln.get_linestyle() == "--" and list(ln.get_xdata()) == [4, 4]]
+              for ax in axes]
+    assert len(axes) == 7 and all(len(d) == 1 for d in dashed)
+    assert "damage" in [t.get_text() for t in axes[0].texts]
+    with pytest.raises(plot.UserError, match="--mark x:damage"):
+        plot.main([str(tmp_path), "--mark", "x:damage"])

@@ -14,7 +14,8 @@ Seven panels over PPO steps, read from the run's metrics.jsonl (nanokl/harness/t
   7. held-out accuracy (`val-core/*/acc/mean@1`), greedy, at every validation.
 Every KL-monitor event (`monitor/action/<check>`: `monitor_events`) is a vertical line on every
 panel, orange for a warning, red for an action, and named on the KL panel: a health report to look
-at rather than read.
+at rather than read. `--mark STEP:LABEL` draws a step of your own on every panel, black and dashed
+(bench/failure_zoo.py marks each zoo run's damage step this way).
 Needs matplotlib (`pip install -e ".[plot]"`).
 """
 
@@ -43,7 +44,8 @@ def monitor_events(rows):
             for r in rows for k, v in r.items() if k.startswith("monitor/action/")]
 
 
-def plot_run(run_dir, out=None) -> Path:
+def plot_run(run_dir, out=None, marks=None) -> Path:
+    """The health report of one run as a PNG; marks: {step: label} drawn on every panel."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -94,6 +96,10 @@ def plot_run(run_dir, out=None) -> Path:
     for step, check in sorted({(s, c) for s, c, _ in events}):  # named once per (step, check)
         axes[0].annotate(check, (step, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
                          va="top")
+    for step, label in (marks or {}).items():
+        for a in axes:
+            a.axvline(step, color="k", ls="--", lw=1)
+        axes[0].annotate(label, (step, 0.5), xycoords=("data", "axes fraction"), rotation=90, fontsize=7)
     ax = axes[6]
     for key in sorted({k for r in rows for k in r if k.startswith("val-core/") and k.endswith("acc/mean@1")}):
         ax.plot(*curve(rows, key), marker="o", label=key.split("/")[1])
@@ -112,8 +118,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Plot KL vs target, beta, score, entropy and accuracy of a run.")
     ap.add_argument("run_dir")
     ap.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/training.png)")
+    ap.add_argument("--mark", action="append", default=[], metavar="STEP:LABEL",
+                    help="a step to mark on every panel (repeatable), e.g. --mark 55:damage")
     args = ap.parse_args(argv)
-    plot_run(args.run_dir, args.out)
+    marks = {}
+    for m in args.mark:
+        step, _, label = m.partition(":")
+        if not step.strip().isdigit():
+            raise UserError(f"--mark {m}: expected STEP:LABEL with STEP a whole number")
+        marks[int(step)] = label or "mark"
+    plot_run(args.run_dir, args.out, marks)
 
 
 if __name__ == "__main__":
