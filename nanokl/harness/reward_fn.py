@@ -27,14 +27,21 @@ Which function (`scorer`), in this order:
      when the data load (`check_sources`: one line naming the known ones), not at the first step.
 
 All three become one shape, `score(text, example) -> Reward`, which the training step and
-validation call alike (nanokl/harness/scoring.py), each call through `call`: a function that raises,
-returns something that is not a number (a str such as "1.0", None, a dict without a numeric "score";
-a bool counts, as verl's tensor assignment takes it) or a number that is not finite stops the run as a
-`RewardError`, one line naming the function, the response and its row's data_source (and
-extra_info index): harness/after_step.py saves a checkpoint of the steps done and exits 1, where a traceback
-would lose them and a NaN would surface steps later as a "non-finite loss". Under torchrun every rank
-stops together (`agree`). A ground truth the task's rule cannot read is refused before that, when the
-data load (`check_truths`).
+validation call alike (nanokl/harness/scoring.py), each call through `call`. A faulty reward stops the
+run as a `RewardError`, one line naming the function, the response and its row's data_source (and
+extra_info index), and harness/after_step.py saves a checkpoint of the steps done and exits 1, where
+the fault itself would lose them:
+  - a function that raises (a traceback), or exits: sys.exit() raises SystemExit, which would end the
+    run on the spot with the function's status, 0 included (a KeyboardInterrupt passes: Ctrl-C);
+  - one that returns something that is not a number (a str such as "1.0", None, a dict without a
+    numeric "score"; a bool counts, as verl's tensor assignment takes it), or a number whose float32 is
+    not finite (`finite32`: nan, inf, and 1e39, finite as a Python float but inf in the reward tensor),
+    which would surface steps later as a "non-finite loss";
+  - a custom function's call still running after custom_reward_function.timeout seconds (300 by
+    default; null or <= 0: none), which would hang the run for ever: SIGALRM stops it where it is
+    (harness/call_limit.py; each batch's calls under one handler, ~2 us a call).
+Under torchrun every rank stops together (`agree`). A ground truth the task's rule cannot read is
+refused before that, when the data load (`check_truths`).
 
 Dict rewards. verl's managers (naive.py, dapo.py in verl/workers/reward_manager/) accept a dict such as
 {"score": 1.0, "acc": True, "pred": "42"}: "score" is the reward on the last token, and every key
@@ -54,13 +61,12 @@ that is not a string or the key "reward" (validation's own name for the score) s
 
 tests/test_reward_fn.py checks a custom function against a hand-written loop over the same rows, the
 one-line errors, and the data_source dispatch; tests/test_bad_input.py and test_faults_more.py the
-refusals and the stop.
+refusals and the stop; tests/test_reward_faults.py an exit, a float32 overflow and a timeout.
 """
 
 import functools
 import hashlib
 import importlib.util
-import math
 import numbers
 import sys
 from pathlib import Path
@@ -68,6 +74,7 @@ from pathlib import Path
 import torch
 
 from nanokl.engine import dist
+from nanokl.harness import call_limit
 from nanokl.harness.config.verl_keys import REWARD_MANAGERS
 from nanokl.harness.config.yaml_io import UserError
 from nanokl.tasks.rows import DataError, where_of
@@ -77,8 +84,9 @@ from nanokl.tasks.by_source import source_task
 
 
 class RewardError(TrainingStopped):
-    """The reward function raised, returned what is not a number, or a number that is not finite. A stop
-    (exit 1) after a checkpoint of the steps done (train_ppo.main), not a user error found at load."""
+    """The reward function raised or exited, ran past custom_reward_function.timeout, returned what is not a
+    number, or a number whose float32 is not finite. A stop (exit 1) after a checkpoint of the steps done
+    (train_ppo.main), not a user error found at load."""
 
 
 class Reward(float):
@@ -103,8 +111,8 @@ def accuracy(reward) -> float:
     return reward.acc if isinstance(reward, Reward) else float(reward)
 
 
-class _NotANumber(RewardError):
-    """A custom function's return value that is no reward: (what it returned, why that is no reward);
+class _Refused(RewardError):
+    """A custom function's call that gave no reward: (what it returned or did, why that is no reward);
     `call` adds the function and the row."""
 
     def __str__(self):
@@ -126,7 +134,7 @@ def load_custom(path: str, name: str):
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # the user's code: say what broke, on one line
+    except (Exception, SystemExit) as e:  # the user's code: say what broke, on one line (an exit too)
         del sys.modules[module_name]
         raise UserError(f"custom_reward_function.path: importing {path!r} failed "
                         f"({type(e).__name__}: {' '.join(str(e).split())})") from None
@@ -161,28 +169,30 @@ def _scalar(value):
 def reward_value(out) -> Reward:
     """A reward function's return value -> Reward: a number (bool, int, float, a numpy or one-element torch
     scalar) or verl's dict with a numeric "score", whose keys become the Reward's `info` (numbers and bools,
-    strings and None; numpy and torch scalars as Python ones). Anything else is a _NotANumber saying what
+    strings and None; numpy and torch scalars as Python ones). Anything else is a _Refused saying what
     it was."""
     if not isinstance(out, dict):
         value = _scalar(out)
         if not isinstance(value, numbers.Real):
-            raise _NotANumber(f"returned {_shown(out)}", _REWARD_IS)
+            raise _Refused(f"returned {_shown(out)}", _REWARD_IS)
+        if not finite32(value):
+            raise _Refused(f"returned {_shown(out)}", f"a reward must be {_FINITE32}")
         return Reward(float(value))
     if "score" not in out:  # verl's managers read result["score"]: a KeyError there
-        raise _NotANumber(f"returned a dict without a 'score' ({_shown(out)})", _REWARD_IS)
+        raise _Refused(f"returned a dict without a 'score' ({_shown(out)})", _REWARD_IS)
     info = {}
     for key, raw in out.items():
         value = _scalar(raw)
         if key == "score" and not isinstance(value, numbers.Real):
-            raise _NotANumber(f"returned {_shown(out)}, whose 'score' is {_shown(value)}", _REWARD_IS)
+            raise _Refused(f"returned {_shown(out)}, whose 'score' is {_shown(value)}", _REWARD_IS)
         if key == "acc" and not isinstance(value, numbers.Real):
-            raise _NotANumber(f"returned a dict whose 'acc' is {_shown(value)}", _ACC_IS)
+            raise _Refused(f"returned a dict whose 'acc' is {_shown(value)}", _ACC_IS)
         if not isinstance(key, str) or key == "reward":
-            raise _NotANumber(f"returned a dict with the key {key!r}", _KEYS_ARE)
+            raise _Refused(f"returned a dict with the key {key!r}", _KEYS_ARE)
         if not (value is None or isinstance(value, (numbers.Real, str))):
-            raise _NotANumber(f"returned a dict whose {key!r} is {_shown(value)}", _EXTRA_IS)
-        if isinstance(value, numbers.Real) and not math.isfinite(value):
-            raise _NotANumber(f"returned a dict whose {key!r} is {value}", "a reward's numbers must be finite")
+            raise _Refused(f"returned a dict whose {key!r} is {_shown(value)}", _EXTRA_IS)
+        if isinstance(value, numbers.Real) and not finite32(value):
+            raise _Refused(f"returned a dict whose {key!r} is {value}", f"a reward's numbers must be {_FINITE32}")
         info[key] = value
     return Reward(float(info["score"]), info)
 
@@ -192,6 +202,16 @@ _EXTRA_IS = ("a reward dict's other values are numbers or bools (averaged in val
              "reward_extra_info) or strings and None (verl's 'pred', not averaged)")
 _ACC_IS = "a reward dict's 'acc' is the response's accuracy: a number or a bool (verl's val-core variable)"
 _KEYS_ARE = "a reward dict's keys are strings, and 'reward' is taken (validation's name for the score, as verl's)"
+_FINITE32 = "finite in float32, the reward tensor's dtype (|x| < 3.4028235e38)"
+# the least |x| that float32 rounds to inf: its largest number plus half its last step (round to nearest even)
+_FLOAT32_END = 2.0 ** 128 - 2.0 ** 103
+
+
+def finite32(value) -> bool:
+    """`value` (any real: a float, an int of any size, a bool) is a finite float32: not nan, not inf, and not a
+    finite Python float such as 1e39 that becomes inf in the reward tensor (torch.tensor of floats is float32)
+    and would surface steps later as a "non-finite loss"."""
+    return -_FLOAT32_END < value < _FLOAT32_END  # False for nan; exact for ints past float's range
 
 
 def scorer(cfg):
@@ -200,11 +220,16 @@ def scorer(cfg):
     `score` (a float) is."""
     method, custom = cfg.reward_model.score_method, _custom(cfg)
     if custom is not None:
-        fn = load_custom(*custom)
+        fn, limit = load_custom(*custom), cfg.custom_reward_function.timeout
 
         def score(text, ex):
-            return reward_value(fn(data_source=ex["data_source"], solution_str=text, ground_truth=ex["ground_truth"],
-                                   extra_info=ex.get("extra_info", {})))
+            try:  # a call past the limit is stopped where it is (harness/call_limit.py: SIGALRM)
+                out = call_limit.within(limit, fn, data_source=ex["data_source"], solution_str=text,
+                                        ground_truth=ex["ground_truth"], extra_info=ex.get("extra_info", {}))
+            except call_limit.Expired:
+                raise _Refused(f"did not return within {limit:g} s", f"custom_reward_function.timeout={limit:g} "
+                               "bounds each call (raise it, or null: no limit)") from None
+            return reward_value(out)
         score.what = f"custom_reward_function {custom[1]} ({custom[0]})"
         return score
     task = get_task(cfg.data.task)  # data.task None: the row's data_source picks (tasks/by_source.py)
@@ -221,7 +246,8 @@ def scorer(cfg):
 def call(score, text, ex, which: str) -> Reward:
     """score(text, ex) as a Reward (a number or verl's dict read by `reward_value`), or a RewardError naming
     the function, `which` response ("response 3 of the batch") and its row's data_source (and extra_info
-    index) when it raises, returns no number or a non-finite one."""
+    index) when it raises or exits, runs past its timeout, or returns no number or one not finite in float32.
+    A KeyboardInterrupt passes: Ctrl-C is the user's (harness/faults.py), no fault of the function."""
     extra = ex.get("extra_info")
     index = f", extra_info index {extra['index']!r}" if isinstance(extra, dict) and "index" in extra else ""
     row = f"{which} (data_source {ex.get('data_source')!r}{index})"
@@ -230,15 +256,18 @@ def call(score, text, ex, which: str) -> Reward:
         value = score(text, ex)
         if not isinstance(value, Reward):  # a score function of a test's own, or a rule's bare float
             value = reward_value(value)
-    except _NotANumber as e:
+    except _Refused as e:
         returned, why = e.args
         raise RewardError(f"{what} {returned} for {row}: {why}") from None
     except UserError:  # a rule's own one-line refusal (an unknown score method): the config's to fix, exit 2
         raise
     except Exception as e:  # the user's code: what broke, on one line
         raise RewardError(f"{what} raised {type(e).__name__}: {' '.join(str(e).split())} for {row}") from None
-    if not math.isfinite(value):
-        raise RewardError(f"{what} returned {value} for {row}: a reward must be finite")
+    except SystemExit as e:  # sys.exit() in the function would end the run at once: no checkpoint, no line
+        raise RewardError(f"{what} raised SystemExit (exit status {e.code!r}) for {row}: a reward function "
+                          "must return its score, not end the process") from None
+    if not finite32(value):  # a rule's Reward, which reward_value has not read
+        raise RewardError(f"{what} returned {value} for {row}: a reward must be {_FINITE32}")
     return value
 
 
@@ -301,8 +330,9 @@ def naive(score, texts, examples) -> list[float]:
     """verl's naive reward manager: one call per response, in batch order (each through `call`: a Reward,
     whose `info` holds a dict return's keys). A row without a ground truth (a logged row scored by a reward
     model) gets nan: no rule can judge it."""
-    return [call(score, text, ex, f"response {i} of the batch") if "ground_truth" in ex else float("nan")
-            for i, (text, ex) in enumerate(zip(texts, examples))]
+    with call_limit.handler():  # SIGALRM's handler once for the batch: each call's limit then costs ~2 us
+        return [call(score, text, ex, f"response {i} of the batch") if "ground_truth" in ex else float("nan")
+                for i, (text, ex) in enumerate(zip(texts, examples))]
 
 
 # reward_model.reward_manager -> its loop. verl's `prime` calls the same function on the same

@@ -13,8 +13,9 @@ falling rule score is reward hacking made visible (Gao et al. 2023).
 
 Either way one scalar per response becomes the `[N, R]` tensor PPO adds the KL penalty to:
 `token_level_scores` (nanokl/rewards.py) puts it on the response's last real token. A score function
-that raises, returns no number or a non-finite one stops the step (reward_fn.RewardError, on every
-rank), and harness/after_step.py saves the steps done before it exits. A response
+that raises or exits, runs past custom_reward_function.timeout, or returns no number or one not finite
+in float32 stops the step (reward_fn.RewardError, on every rank), and harness/after_step.py saves the
+steps done before it exits. A response
 cut off by the length limit before its EOS gets `missing_eos_penalty` subtracted. With
 trainer.rollout_data_dir, each step's prompts, responses and scores are written there as JSONL, and
 with trainer.log_val_generations validation hands its (input, output, score) samples to the
@@ -55,7 +56,7 @@ from nanokl.kl_probe import probe_stats
 from nanokl.masked import masked_mean
 from nanokl.rewards import overlong_penalty, token_level_scores
 from nanokl.forwards import compute_log_probs
-from nanokl.harness import reward_fn
+from nanokl.harness import call_limit, reward_fn
 from nanokl.harness.data import encode_prompts
 from nanokl.harness.generations import dump_rollout, gather, prompt_texts
 from nanokl.harness.hf_format import load_reward_model
@@ -173,7 +174,8 @@ def _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, tota
                      generator=gen)
         texts = tok.batch_decode(out.responses, out.response_mask)
         which = [f"validation response {i * vk.n + j} of this rank" for j in range(len(texts))]
-        rewards = [reward_fn.call(score, text, chunk[j // vk.n], which[j]) for j, text in enumerate(texts)]
+        with call_limit.handler():  # as reward_fn.naive: SIGALRM's handler once for the chunk's calls
+            rewards = [reward_fn.call(score, text, chunk[j // vk.n], which[j]) for j, text in enumerate(texts)]
         # DAPO's overlong penalty shapes the reward in validation too, as verl's reward manager adds it there
         # (acc and a dict's score stay unshaped)
         shaping = [0.0] * len(texts) if not ob.enable else overlong_penalty(

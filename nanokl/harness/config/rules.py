@@ -151,6 +151,7 @@ _RULES = [
      lambda v: v == -1 or v > 0, "-1 (off) or > 0"),
     ([_R + "gpu_memory_utilization"], lambda v: 0 < v <= 1, "in (0, 1]"),
     (["trainer.log_val_generations"], lambda v: v >= 0, ">= 0"),
+    (["custom_reward_function.timeout"], lambda v: v <= 1e6, "null or <= 0 (no limit), or seconds up to 1e6"),
     ([_A + "optim.betas", _C + "optim.betas"], lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     (["algorithm.rollout_correction.rollout_is_threshold"], lambda v: v >= 1,
      ">= 1 (so that a token sampled by pi_old itself gets weight exactly 1)"),

@@ -375,6 +375,16 @@ RENAMED = {"actor_rollout_ref.actor.loss_mode": (
 
 
 @dataclass
+class RewardFunctionConfig:  # verl's custom_reward_function (verl_keys.CustomRewardFunctionConfig's keys) + a limit
+    path: Optional[str] = None  # a .py file defining the scorer; null: the task's rule (data_source picks it)
+    name: str = "compute_score"  # the function in that file: compute_score(data_source, solution_str, ground_truth, extra_info)
+    # nanokl-only: seconds one call may run, then the run stops as for a raising one (checkpoint, exit 1; harness/
+    # call_limit.py); null or <= 0: no limit. 300, as verl's prime manager allows a response: room for a grader that
+    # runs code or asks a server, where a hung one would hold the GPUs for ever
+    timeout: Optional[float] = 300.0
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -383,7 +393,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)
     # verl's sections for machinery nanokl does not have (accepted with a note: notes.VERL_NOTES)
     reward_manager: dict = verl_section(source="register", name="naive")  # verl's newer home of reward_model.reward_manager
     global_profiler: dict = verl_section(tool=None)
