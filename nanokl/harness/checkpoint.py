@@ -44,6 +44,7 @@ Safety: weights are safetensors; optimizer and trainer state are read with
 `torch.load(weights_only=True)`, which refuses to unpickle arbitrary objects.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -164,15 +165,18 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
         write_manifest(tmp)  # last: a directory with a manifest was written whole
         if before_commit is not None:
             before_commit()
+        if final.exists():  # re-saving the same step (e.g. after a rollback): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the commit: refused too in a folder that became read-only
     except (OSError, RuntimeError, SafetensorError) as e:  # torch.save reports a failed write as a RuntimeError,
         # safetensors as its own SafetensorError ("Error while serializing: IoError(... StorageFull ...)")
         shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint is untouched
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # not a matter of space
+            raise CheckpointWriteError(f"checkpoint not written to {tmp}: {why} (the folder {root} refuses "
+                                       "writes)") from None
         raise CheckpointWriteError(f"checkpoint not written to {tmp}: {why} (it needs {need:,} bytes; "
                                    f"{shutil.disk_usage(root).free:,} free)") from None
-    if final.exists():  # re-saving the same step (e.g. after a rollback): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
     ptr_tmp = root / (POINTER + ".tmp")  # the tracker names committed checkpoints only: after the rename
     ptr_tmp.write_text(str(step))
     os.replace(ptr_tmp, root / POINTER)

@@ -199,7 +199,8 @@ def check_tensors(expected: dict, tensors: dict, path, ignore=()) -> dict:
 
 
 def save_tensors(state_dict: dict, path, dtype=None):
-    """Write model.safetensors atomically (temp file + rename): a crash leaves no half file."""
+    """Write model.safetensors atomically (temp file + rename): a crash leaves no half file. Its mode is
+    an ordinary new file's, 0o666 less the umask, as config.json's beside it (file_mode)."""
     path = Path(path)
     out = {}
     for name, t in state_dict.items():
@@ -207,7 +208,25 @@ def save_tensors(state_dict: dict, path, dtype=None):
         out[name] = (t.to(dtype) if dtype is not None else t).cpu().contiguous()
     tmp = path / "model.safetensors.tmp"
     save_file(out, tmp, metadata={"format": "pt"})
+    os.chmod(tmp, file_mode())
     os.replace(tmp, path / "model.safetensors")
+
+
+def file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the process's umask. safetensors >= 0.8 writes through
+    a temporary file that its Rust `tempfile` crate creates 0o600 whatever the umask, then renames it
+    into place (safetensors issue #782): weights another user could not read, beside a readable
+    config.json ("not a readable safetensors file" from their generate.py)."""
+    try:
+        with open("/proc/self/status") as f:  # Linux >= 4.7 shows the umask without changing it
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere reading it means setting it: put it back at once
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 # ---------------------------------------------------------------------------------------------

@@ -196,7 +196,9 @@ def take_lock(run_dir) -> str | None:
 
 
 def release_lock(run_dir) -> None:
-    """Give back `run_dir`/.lock (a no-op when this process does not hold it)."""
+    """Give back `run_dir`/.lock (a no-op when this process does not hold it). In a folder that became
+    read-only the file cannot be deleted: it is emptied instead (the open file is still writable), and
+    an empty lock whose flock is free is what take_lock takes without a word."""
     key = os.path.realpath(Path(run_dir) / LOCK)
     f = _held.pop(key, None)
     if f is None:
@@ -204,12 +206,15 @@ def release_lock(run_dir) -> None:
     try:
         os.unlink(key)  # before unlocking: a run that opened the old file meanwhile sees it gone and retries
     except OSError:
-        pass
+        try:
+            f.truncate(0)  # no pid left in it: nobody mistakes it for a live run's
+        except OSError:
+            pass
     f.close()
 
 
 @atexit.register
-def _release_all():  # a run that raised after its setup (a failed checkpoint write): its folder is free again
+def release_all():  # a run that raised after its setup (a failed checkpoint write): its folder is free again
     for key in list(_held):
         release_lock(Path(key).parent)
 
