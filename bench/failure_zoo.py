@@ -111,6 +111,9 @@ def run_all(todo, workers):
 
     def one(item):
         name, cmd = item
+        if (OUT / name / "summary.json").is_file():  # finished in an earlier sitting (the summary is written last)
+            print(f"{name}: done before, kept", flush=True)
+            return
         with open(OUT / f"{name}.log", "w") as log:
             rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                  env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})

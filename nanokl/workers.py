@@ -248,7 +248,7 @@ class FirstPassEntropy:
     @torch.no_grad()
     def record(self, rows, entropy):
         self.entropy[rows] = torch.where(self.seen[rows, None], self.entropy[rows], entropy)
-        self.seen[rows] = True
+        self.seen.index_fill_(0, rows, True)  # a scalar fill: no host-to-device copy
 
 
 def update_critic(critic, opt, batch, c, *, mini_size, spec=Batching(), generator=None,

@@ -7,7 +7,8 @@
 - a checkpoint write that fails with safetensors' own error (SafetensorError, what a full disk or a quota
   gives its writer) or a quota's OSError: one line, no global_step_N.tmp left, the previous checkpoint intact;
 - Ctrl-C (SIGINT) is a preemption: the step finishes, a checkpoint is written, exit 130; the same command
-  resumes and ends bit-identical to the uninterrupted run; a second Ctrl-C kills at once; Ctrl-C before the
+  resumes and ends bit-identical to the uninterrupted run; a second Ctrl-C typed at the terminal kills at once
+  (tests/test_cluster.py: repeats that are not typed); Ctrl-C before the
   first step is one line and exit 130, not a traceback;
 - generate.py refuses an empty prompt, an empty prompts file and --n 0 in one line (exit 2);
 - a read-only (or impossible) output folder is one line at start, for train_ppo.py and generate.py.
@@ -200,21 +201,40 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130_then_resumes_bit_identical
     same_run(tmp_path / "straight", tmp_path / "run")
 
 
-def test_a_second_ctrl_c_kills_at_once():
+def test_a_second_ctrl_c_typed_at_the_terminal_kills_at_once():
+    """A real terminal (a pseudo-terminal): the first Ctrl-C is a preemption, a second one typed later kills."""
+    import pty
+    import time
     script = textwrap.dedent(f"""
-        import os, signal, sys, time
+        import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from nanokl.harness.faults import catch_preemption
         with catch_preemption() as flag:
-            os.kill(os.getpid(), signal.SIGINT)
+            print("ready", flush=True)
+            while flag.signal is None:
+                time.sleep(0.01)
             print("first:", flag.signal, flush=True)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(30)
+            time.sleep(60)
             print("survived", flush=True)
     """)
-    proc = launch(script)
-    assert proc.stdout.splitlines() == ["first: SIGINT"]
-    assert proc.returncode == -signal.SIGINT
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stdin is the terminal, and its process group the terminal's foreground one
+        os.execvpe(sys.executable, [sys.executable, "-c", script], {**os.environ, "OMP_NUM_THREADS": "1"})
+    seen = b""
+
+    def read_until(word):
+        nonlocal seen
+        while word not in seen:
+            seen += os.read(fd, 1024)
+    read_until(b"ready")
+    os.write(fd, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
+    read_until(b"first: SIGINT")
+    time.sleep(1.5)  # longer than a forwarded copy takes (faults.ECHO_S): a person typing it again
+    os.write(fd, b"\x03")
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT, (status, seen)
+    assert b"survived" not in seen
 
 
 def test_ctrl_c_before_the_first_step_is_one_line_and_exit_130(sft_dir, tmp_path):

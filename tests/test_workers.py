@@ -362,3 +362,30 @@ def test_entropy_is_recorded_on_the_first_pass_over_each_row():
     assert ((got[:3] - before[:3]).abs() * rmask[:3]).max() <= 1e-5
     assert ((got[3:] - seen[0][3:]).abs() * rmask[3:]).max() <= 1e-5
     assert ((seen[0][3:] - before[3:]).abs() * rmask[3:]).max() > 1e-3  # the step did move the policy
+
+
+def test_first_pass_entropy_records_without_a_tensor_made_from_a_host_value():
+    """What a CUDA run's sync check (tests/test_workers_cuda.py) needs, seen on the CPU: record() makes no
+    tensor from a Python scalar (lift_fresh / scalar_tensor, the host-to-device copy of `x[rows] = True`)
+    and copies nothing; and it keeps the first pass's entropy of each row (a float64 reference)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from nanokl.workers import FirstPassEntropy
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+    mask = torch.ones(4, 3)
+    rec = FirstPassEntropy({"response_mask": mask})
+    first, second, rows = torch.rand(2, 3), torch.rand(2, 3), torch.tensor([1, 3])
+    with Ops() as ops:
+        rec.record(rows, first)
+    rec.record(torch.tensor([3, 0]), second)  # row 3 was seen: it keeps its first entropy
+    assert not {n for n in ops.names if n.startswith(("lift_fresh", "scalar_tensor", "_to_copy", "copy_"))}, ops.names
+    want = torch.zeros(4, 3, dtype=torch.float64)
+    want[1], want[3], want[0] = first[0].double(), first[1].double(), second[1].double()
+    assert torch.equal(rec.entropy.double(), want) and rec.seen.tolist() == [True, True, False, True]

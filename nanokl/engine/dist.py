@@ -41,8 +41,21 @@ def launched():
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def init():
-    """(rank, world_size, device); joins the process group whenever torchrun started the process."""
+TIMEOUT_S = [None]  # the process group's collective timeout, in seconds, once joined
+
+
+def timed_out(error: BaseException) -> bool:
+    """Is `error` a collective that gave up waiting for another rank (gloo: "Timed out waiting ...ms";
+    NCCL's watchdog: "... ran for ... milliseconds before timing out")?"""
+    text = str(error).lower()
+    return active() and isinstance(error, RuntimeError) and ("timed out" in text or "timing out" in text)
+
+
+def init(timeout_s=None):
+    """(rank, world_size, device); joins the process group whenever torchrun started the process. timeout_s
+    (verl's actor_rollout_ref.nccl_timeout; None: 30 minutes, torch's own default for gloo) bounds every
+    collective, NCCL's and gloo's alike: a rank that waits that long for a frozen or dead peer raises
+    instead of hanging the job. The first call decides it."""
     cuda = torch.cuda.is_available()
     if launched() and dist.is_available() and not dist.is_initialized():
         # NCCL binds to the GPU named here; left to guess, it maps rank -> GPU by the global rank and warns
@@ -50,7 +63,9 @@ def init():
         device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
         if cuda:
             torch.cuda.set_device(device_id)
-        backend, timeout = "nccl" if cuda else "gloo", timedelta(minutes=30)
+        backend = "nccl" if cuda else "gloo"
+        timeout = timedelta(minutes=30) if timeout_s is None else timedelta(seconds=timeout_s)
+        TIMEOUT_S[0] = timeout.total_seconds()
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun --max-restarts keeps its store across restarts, and a restarted gloo group can read the
@@ -135,6 +150,15 @@ def broadcast_object(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's `obj` (any picklable value), in rank order, on every rank."""
+    if world() == 1:
+        return [obj]
+    out = [None] * world()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def global_stats(values, mask=None):

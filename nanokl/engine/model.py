@@ -394,9 +394,9 @@ def compile_layers(model: nn.Module, backend="inductor"):
     `dynamic=True` compiles the token dimension symbolically from the first call: packed rows of any
     length reuse the graphs, no recompile after the first micro-batch of each shape family (one row
     packed, several rows padded; tests/test_model.py counts them). Every layer shares the graphs, since
-    the parameters are graph inputs. A compiler error falls back to eager with torch's warning."""
-    import torch._dynamo
-    torch._dynamo.config.suppress_errors = True
+    the parameters are graph inputs. A compiler error stops the run with torch's own error, at the first
+    forward (use_torch_compile=false runs eager): torch._dynamo.config.suppress_errors, process-wide,
+    would turn it into a warning and a silently slower run, for every compiled function of the process."""
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
     return model

@@ -13,7 +13,7 @@ never stopped, a checkpoint holds everything the next step reads:
                             CUDA, and the rollout sampler's generator)
     run.json                what the run was started with: the config (paths absolute), the SHA-256
                             of the model's tokenizer.json, its config.json's shapes. A resume that
-                            differs stops before loading anything (nanokl/harness/run_state.py)
+                            differs stops before loading anything (nanokl/harness/fingerprint.py)
 
 The data position needs no file: batches are a pure function of (seed, step) (nanokl/harness/data.py).
 With all of it restored, "4 steps straight" and "2 steps, stop, resume, 2 steps" produce
@@ -137,7 +137,7 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
     models: name -> module, or name -> (module, full state dict) when the weights were gathered
     from shards (saved HF-format under name/); optim_state: name -> state_dict; trainer_state:
     plain values and tensors (step, KL controller, RNG states, ...); record: what the run was started
-    with, written as run.json (a resume compares it: nanokl/harness/run_state.py); before_commit: called
+    with, written as run.json (a resume compares it: nanokl/harness/fingerprint.py); before_commit: called
     once everything is written, before the rename that commits it (the run logs the step's metrics
     row there, so that no checkpoint exists without its row). Raises CheckpointWriteError,
     with nothing of the new checkpoint left on disk, when the free space is short of its size or

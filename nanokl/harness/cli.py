@@ -1,8 +1,9 @@
 """train_ppo.py's command line: every way a run ends, as one exit status and at most one line.
 
-    0    the run ended: its last step, a monitor stop, a preemption signal (SIGTERM / SIGUSR1)
+    0    the run ended: its last step, a monitor stop, a preemption signal (SIGTERM / SIGUSR1 / SIGHUP)
     1    a stop that is not the user's input: a failing reward function, repeated non-finite
-         steps (TrainingStopped, said by rank 0 as `error: ...`)
+         steps (TrainingStopped, said by rank 0 as `error: ...`), a collective that waited
+         actor_rollout_ref.nccl_timeout for a hung rank (said by the rank that waited)
     2    a mistake in what the user gave (config, paths, data): `error: ...` (UserError, run_cli)
     130  Ctrl-C: after the step it finishes and its checkpoint, or at once outside the steps
 
@@ -49,6 +50,14 @@ def cli(main):
         if dist.rank() == 0:
             print("error: interrupted (Ctrl-C) outside the training steps: no step was running", file=sys.stderr)
         status = INTERRUPTED
+    except RuntimeError as e:
+        if not dist.timed_out(e):
+            raise
+        # a peer hung or died mid-collective: the group is broken, so no teardown that would wait on it
+        print(f"error: rank {dist.rank()} waited actor_rollout_ref.nccl_timeout={dist.TIMEOUT_S[0]:g} s for the "
+              "other ranks in a collective and stopped: a rank hung, died or fell that far behind (its own log "
+              "says which); the same command resumes from the newest checkpoint", file=sys.stderr)
+        sys.exit(1)
     release_all()  # a run that stopped before its finish: the folder is free for the next one
     dist.destroy()  # after main returned, so its DDP/FSDP models are already released
     sys.exit(status)

@@ -55,16 +55,16 @@ from nanokl.engine import dist, shard
 from nanokl.advantages import ESTIMATORS
 from nanokl.engine.batching import Batching
 from nanokl.harness import ref_check, variants
-from nanokl.harness.checkpoint import latest_checkpoint, verify_checkpoint
+from nanokl.harness.checkpoint import verify_checkpoint
 from nanokl.harness.config.build import config_to_dict
 from nanokl.harness.config.schema import Config
 from nanokl.harness.config.yaml_io import UserError
-from nanokl.harness.config.load import save_config
 from nanokl.harness.config.notes import startup_notes
 from nanokl.harness.data import check_loaded, drop_overlong, steps_per_epoch
 from nanokl.tasks.rows import without
 from nanokl.harness.after_step import validation
 from nanokl.harness.faults import Preemption, catch_preemption, check_writable, inject
+from nanokl.harness.fingerprint import fingerprint_of, ranks_agree, run_record
 from nanokl.harness.hf_format import from_pretrained, load_value_model, require_model_dir
 from nanokl.harness.logged import read_logged
 from nanokl.harness.monitor import CHECKS, KLMonitor, warmup_steps
@@ -72,8 +72,7 @@ from nanokl.harness.optim import make_optimizer
 from nanokl.harness.profile import StepProfiler
 from nanokl.harness.reward_fn import check_sources
 from nanokl.harness.scoring import load_rm
-from nanokl.harness.run_state import (release_lock, resume, resume_check, run_record, save, set_aside,
-                                      take_lock)
+from nanokl.harness.run_state import checkpoint_to_resume, release_lock, resume, save, take_lock
 from nanokl.harness.tokenizer import Tokenizer, load_tokenizer
 from nanokl.harness.tracking import Tracker
 from nanokl.harness.variants import Baselines, Correct, ReadKL, Respond
@@ -128,7 +127,7 @@ class Run:
     preempt: Preemption | None = None  # set by steps(): a SIGTERM / SIGUSR1 ends the run after its step
     ref_probe: tuple | None = None  # (probe batch, the reference's log-probs on it at start): harness/ref_check.py
     ended: str | None = None  # how the run stopped early, for its summary (None: it ran to its last step)
-    record: dict | None = None  # what the run was started with, kept in every checkpoint (run_state.run_record)
+    record: dict | None = None  # what the run was started with, kept in every checkpoint (fingerprint.run_record)
     profiler: StepProfiler | None = None  # set by steps(): global_profiler.steps traced (harness/profile.py)
 
 
@@ -163,7 +162,7 @@ def setup(cfg, stages=None) -> Run:
     for key in ("default_local_dir", "rollout_data_dir", "validation_data_dir"):  # one line now, not later
         if getattr(cfg.trainer, key):
             check_writable(getattr(cfg.trainer, key), f"trainer.{key}")
-    rank, _, _ = dist.init()
+    rank, _, _ = dist.init(cfg.actor_rollout_ref.nccl_timeout)  # verl's key: every collective's limit
     run_dir, problem = Path(cfg.trainer.default_local_dir), None
     if rank == 0:  # the other ranks wait for its answer
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -199,10 +198,12 @@ def _setup(cfg, stages) -> Run:
 
 
 def start(cfg):
-    """(rank, world size, device, whether a critic trains): the device chosen, the world checked
-    against the config, the start-up notes said (rank 0), a resume_from_path verified, before any work."""
+    """(rank, world size, device, whether a critic trains): every rank's settings agreed (fingerprint.py),
+    the device chosen, the world checked against the config, the start-up notes said (rank 0), a
+    resume_from_path verified, before any work."""
     alg, t = cfg.algorithm, cfg.trainer
     rank, W, _ = dist.init()  # torchrun sets RANK / WORLD_SIZE; plain python is rank 0 of 1
+    ranks_agree(fingerprint_of(cfg))  # before any check one rank could fail alone, leaving the others waiting
     device = pick_device(t.device)  # and says why, once, where auto finds a GPU it cannot use
     # DPO has no advantages to estimate
     needs_critic = ESTIMATORS[alg.adv_estimator].needs_critic and cfg.actor_rollout_ref.actor.objective == "ppo"
@@ -210,36 +211,10 @@ def start(cfg):
     if rank == 0:  # verl keys set to what nanokl does otherwise, controllers with nothing to steer: once each
         for line in startup_notes(cfg):
             print(line, file=sys.stderr)
-    if t.resume_mode == "resume_path" and (problem := verify_checkpoint(t.resume_from_path)) is not None:
+    if t.resume_mode != "disable" and t.resume_from_path is not None and \
+            (problem := verify_checkpoint(t.resume_from_path)) is not None:
         raise UserError(f"trainer.resume_from_path={t.resume_from_path} does not verify: {problem}")
     return rank, W, device, needs_critic
-
-
-def checkpoint_to_resume(cfg, rank, record):
-    """The checkpoint to resume from (auto: the newest that matches its manifest; skipped ones are
-    named), checked against what this run starts with (`record`) before anything loads
-    (run_state.resume_check); None when the run starts over, which sets the folder's earlier run
-    aside. config.yaml is written only then: a refused resume leaves it be."""
-    t, run_dir = cfg.trainer, Path(cfg.trainer.default_local_dir)
-    ckpt, notes, problem = None, [], None
-    if rank == 0:
-        try:
-            if t.resume_mode == "auto":
-                ckpt = latest_checkpoint(run_dir)
-            elif t.resume_mode == "resume_path":
-                ckpt = Path(t.resume_from_path)
-            why = "trainer.resume_mode=disable" if t.resume_mode == "disable" else "no checkpoint to resume from"
-            notes = resume_check(ckpt, record, t.resume_allow_changes) if ckpt else [set_aside(run_dir, why)]
-        except (UserError, OSError) as e:
-            problem = str(e)
-    ckpt, problem = dist.broadcast_object((ckpt, problem))
-    if problem is not None:
-        raise UserError(problem)
-    if rank == 0:
-        for note in filter(None, notes):
-            print(note, file=sys.stderr)
-        save_config(cfg, run_dir / "config.yaml")
-    return ckpt
 
 
 def load_data(cfg, rank):
@@ -385,10 +360,11 @@ def _max_samples(rows, n, shuffle=False, seed=0):
 
 
 def steps(run):
-    """The remaining global steps, with a progress bar on rank 0. While they run, SIGTERM / SIGUSR1
-    (a scheduler's preemption notice) only raise a flag that end_step honours (nanokl/harness/faults.py)."""
+    """The remaining global steps, with a progress bar on rank 0. While they run, SIGTERM / SIGUSR1 / SIGHUP
+    (a scheduler's preemption notice, a closed terminal) and Ctrl-C only raise a flag that end_step honours
+    (nanokl/harness/faults.py)."""
     run.profiler = StepProfiler(run.cfg, run.rank, run.device, run.run_dir)
-    with catch_preemption() as run.preempt:
+    with catch_preemption(run.cfg.trainer.signal_grace_s) as run.preempt:
         for step in tqdm(range(run.start, run.total_steps), desc="ppo", initial=run.start, total=run.total_steps,
                          file=sys.stderr, disable=run.rank != 0):
             inject(step, run.rank)  # test-only faults (NANOKL_FAULT); nothing when unset

@@ -12,15 +12,10 @@ The run's folder (the second half of this file): one run at a time, and nothing 
                 in it) from setup to finish; a second run in the folder stops with one line naming
                 the first's pid (exit 2); the lock of a run that died (SIGKILL, a crash) is free to
                 the next one, which takes it over with a note
-  the record    every checkpoint holds what its run was started with (run.json: the config with its
-                paths made absolute, the SHA-256 of the model's tokenizer.json, its config.json's
-                shapes). A resume compares this run's with it before loading anything: a key that
-                changes the result (the model, the algorithm, the batch sizes, the lengths, ...)
-                stops the run with one line naming each difference, unless
-                trainer.resume_allow_changes names it or resume_mode=disable starts over; keys that
-                change only the speed or the logging (speed_only) resume with a one-line note. A
-                checkpoint from before the record resumes, with a note (its model's shapes still
-                compared with the new model's)
+  the resume    which checkpoint: auto takes the newest that verifies; a folder with none starts at
+                trainer.resume_from_path when set (a note), a folder whose every checkpoint is damaged
+                refuses to start over (exit 2) unless resume_mode=disable; the chosen one is compared
+                with this run's settings first (fingerprint.resume_check: one line per refusal)
   set aside     a run that starts over (no checkpoint, or resume_mode=disable) in a folder holding an
                 earlier run's metrics.jsonl, val_generations.jsonl, summary.json or checkpoints
                 renames them to metrics.1.jsonl, ..., checkpoints.1 (one note): the folder's files
@@ -40,14 +35,14 @@ from pathlib import Path
 
 from nanokl.engine import dist, shard
 from nanokl.harness import remedies
-from nanokl.harness.checkpoint import (LEGACY_ROOT, POINTER, CheckpointWriteError, _sha256, load_state, read_record,
-                                       rng_state, save_checkpoint, set_rng_state)
-from nanokl.harness.config.build import config_to_dict
+from nanokl.harness.checkpoint import (LEGACY_ROOT, POINTER, CheckpointWriteError, committed, latest_checkpoint,
+                                       load_state, rng_state, save_checkpoint, set_rng_state)
+from nanokl.harness.config.load import save_config
 from nanokl.harness.config.yaml_io import UserError
-from nanokl.harness.hf_format import from_pretrained, load_value_model, read_config
+from nanokl.harness.fingerprint import resume_check
+from nanokl.harness.hf_format import from_pretrained, load_value_model
 from nanokl.harness.tracking import GENERATIONS
 from nanokl.kl_ctrl import FixedKLController
-from nanokl.engine.model import ModelConfig
 
 
 class TrainingStopped(Exception):
@@ -219,137 +214,6 @@ def release_all():  # a run that raised after its setup (a failed checkpoint wri
         release_lock(Path(key).parent)
 
 
-SHAPES = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
-# paths compare as absolute paths (the same model from another working directory is the same model)
-PATH_LEAVES = {"path", "tokenizer_path", "train_files", "val_files", "offline_files", "output_dir", "data_path",
-             "val_data_path", "hf_config_path", "lora_adapter_path", "rollout_data_dir", "validation_data_dir",
-             "default_local_dir", "resume_from_path", "input_tokenizer"}
-# never compared: where the run lives and how it resumes; the stages before RL (their output is the model path)
-IGNORED = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.resume_allow_changes",
-           "trainer.default_local_dir", "sft.", "reward_model.train.")
-# keys that change how fast a run goes, or what it logs, and not what it computes: a resume may change them
-SPEED_ONLY_NAMES = {
-    "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size",
-    "log_prob_micro_batch_size_per_gpu", "forward_micro_batch_size", "forward_micro_batch_size_per_gpu",
-    "micro_batch_size", "micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu",
-    "forward_max_token_len_per_gpu", "use_dynamic_bsz", "log_prob_use_dynamic_bsz", "use_remove_padding",
-    "use_fused_kernels", "fused_chunk_size", "strategy", "use_torch_compile", "enable_gradient_checkpointing",
-    "entropy_from_logits_with_chunking", "entropy_checkpointing", "use_cuda_graph", "enforce_eager",
-    "max_batch_size", "gpu_memory_utilization", "dataloader_num_workers", "filter_overlong_prompts_workers",
-    "nccl_timeout"}
-SPEED_ONLY_PARTS = (".fsdp_config.", ".checkpoint.", ".profiler.", ".global_profiler.", ".fused_kernel_options.")
-SPEED_ONLY_KEYS = {"data.val_batch_size", *(f"trainer.{k}" for k in (
-    "logger", "project_name", "experiment_name", "save_freq", "test_freq", "total_training_steps", "total_epochs",
-    "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep", "log_freq", "log_val_generations", "validation_data_dir",
-    "rollout_data_dir", "val_before_train", "val_only", "val_kl_prompts", "n_gpus_per_node", "nnodes", "device",
-    "balance_batch", "profile_steps"))}
-MODEL_PATH = "actor_rollout_ref.model.path"
-
-
-def speed_only(key: str) -> bool:
-    return (key in SPEED_ONLY_KEYS or key.rsplit(".", 1)[-1] in SPEED_ONLY_NAMES
-            or any(part in f".{key}." for part in SPEED_ONLY_PARTS))
-
-
-def _flat(tree, prefix=""):
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            yield from _flat(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
-def _absolute(v):
-    if isinstance(v, str) and v and "://" not in v:
-        return os.path.abspath(os.path.expanduser(v))
-    if isinstance(v, list):
-        return [_absolute(x) for x in v]
-    return v
-
-
-def model_shapes(path) -> dict:
-    """The shape fields of the model at `path` (its config.json, as nanokl reads it)."""
-    mc = ModelConfig(**read_config(path)[0])
-    return {k: getattr(mc, k) for k in SHAPES}
-
-
-def run_record(cfg) -> dict:
-    """What this run is started with, as a checkpoint keeps it (run.json): the config (flat, dotted keys;
-    paths absolute), the SHA-256 of the policy's tokenizer.json and its model's shapes."""
-    config = {k: _absolute(v) if k.rsplit(".", 1)[-1] in PATH_LEAVES else v
-              for k, v in _flat(config_to_dict(cfg))}
-    tok = Path(cfg.actor_rollout_ref.model.tokenizer_path) / "tokenizer.json"
-    return {"config": json.loads(json.dumps(config)), "tokenizer_sha256": _sha256(tok) if tok.is_file() else None,
-            "model_shapes": model_shapes(cfg.actor_rollout_ref.model.path)}
-
-
-def _show(v) -> str:
-    if isinstance(v, list):
-        text = "[" + ",".join(_show(x) for x in v) + "]"
-    elif isinstance(v, bool) or v is None:
-        text = json.dumps(v)
-    else:
-        text = str(v)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _renamed(was: dict) -> dict:
-    """A record written before nanokl renamed two of its own spellings (actor.loss_mode -> objective, the
-    monitor's knob kl_coef -> kl_weight) in today's words: the same settings are no change."""
-    was = {OBJECTIVE if k == OLD_OBJECTIVE else k: v for k, v in was.items()}
-    return {k: "kl_weight" if k.endswith(".knob") and v == "kl_coef" else v for k, v in was.items()}
-
-
-OLD_OBJECTIVE, OBJECTIVE = "actor_rollout_ref.actor.loss_mode", "actor_rollout_ref.actor.objective"
-
-
-def resume_check(ckpt, record: dict, allow=()) -> list[str]:
-    """Resuming from checkpoint `ckpt` with this run's `record` (run_record): the notes to print, or a
-    UserError naming every difference that changes the result and that `allow`
-    (trainer.resume_allow_changes) does not name."""
-    ckpt = Path(ckpt)
-    old, notes = read_record(ckpt), []
-    if old is None:  # written before checkpoints kept a record: only the actor's shapes to compare
-        notes.append(f"note: {ckpt} has no record of the settings its run started with (written before nanokl "
-                     "kept one): resuming without comparing them")
-        actor = ckpt / "actor"
-        old = {"model_shapes": model_shapes(actor)} if (actor / "config.json").is_file() else {}
-    diffs = {}  # name -> "old -> new"
-    was = _renamed(old.get("config") or {})
-    for k, v in record["config"].items():
-        if k in was and was[k] != v and not k.startswith(IGNORED):
-            diffs[k] = f"{_show(was[k])} -> {_show(v)}"
-    if MODEL_PATH in diffs:  # the keys that follow the model path (its tokenizer's, the critic's): named with it
-        diffs = {k: d for k, d in diffs.items() if k == MODEL_PATH or (was[k], record["config"][k]) !=
-                 (was[MODEL_PATH], record["config"][MODEL_PATH])}
-    if "tokenizer_sha256" in old and old["tokenizer_sha256"] != record["tokenizer_sha256"]:
-        a, b = (x[:12] if x else "none" for x in (old["tokenizer_sha256"], record["tokenizer_sha256"]))
-        diffs["tokenizer"] = f"tokenizer.json sha256 {a} -> {b}"
-    shapes = old.get("model_shapes") or {}
-    changed = [f"{k} {_show(shapes[k])} -> {_show(v)}" for k, v in record["model_shapes"].items()
-               if k in shapes and shapes[k] != v]
-    if changed:
-        diffs["model_shapes"] = ", ".join(changed)
-
-    def allowed(name):
-        return any(name == a or name.startswith(a + ".") for a in allow)
-    speed = [k for k in diffs if speed_only(k)]
-    accepted = [k for k in diffs if k not in speed and allowed(k)]
-    refused = [k for k in diffs if k not in speed and k not in accepted]
-    if refused:
-        raise UserError(f"checkpoint {ckpt} was written by a run started with other settings, which change the "
-                        f"result: {'; '.join(f'{k} ({diffs[k]})' for k in refused)}. Start over with "
-                        "trainer.resume_mode=disable (or another trainer.default_local_dir), or resume with the "
-                        f"change: trainer.resume_allow_changes=[{','.join([*accepted, *refused])}]")
-    if accepted:
-        notes.append("note: resuming with changed keys that trainer.resume_allow_changes accepts: "
-                     + "; ".join(f"{k} ({diffs[k]})" for k in accepted))
-    if speed:
-        notes.append("note: resuming with changed speed-only keys: " + "; ".join(f"{k} ({diffs[k]})" for k in speed))
-    return notes
-
-
 ASIDE = ("metrics.jsonl", GENERATIONS, "summary.json", LEGACY_ROOT)  # what an earlier run leaves in the folder
 # (LEGACY_ROOT: the checkpoints, in either layout: verl's global_step_N/ and its tracker move into checkpoints.N/)
 
@@ -391,3 +255,45 @@ def set_aside(run_dir, why: str) -> str | None:
             os.replace(p, into / p.name)
     return (f"note: {run_dir} holds an earlier run's {', '.join(found)} and this run starts over ({why}): set aside "
             f"as {', '.join(_aside_name(name, n) for name in found)}")
+
+
+def checkpoint_to_resume(cfg, rank, record):
+    """The checkpoint to resume from, checked against what this run starts with (`record`) before anything
+    loads (run_state.resume_check); None when the run starts over, which sets the folder's earlier run
+    aside. auto: the newest that matches its manifest (skipped ones are named); when the folder has none,
+    resume_from_path (verl reads it under resume_path only: said in a note). A folder whose every checkpoint
+    is damaged does not start over by itself: that is a one-line refusal, as resume_mode=disable would
+    set the run aside and redo it all. config.yaml is written only then: a refused resume leaves it be."""
+    t, run_dir = cfg.trainer, Path(cfg.trainer.default_local_dir)
+    ckpt, notes, problem = None, [], None
+    if rank == 0:
+        try:
+            if t.resume_mode == "auto":
+                ckpt = latest_checkpoint(run_dir)
+                if ckpt is None and committed(run_dir):
+                    raise UserError(f"{run_dir}: every checkpoint is damaged (each is named above), and a resume "
+                                    "would start over from step 0: restore one, or start over on purpose with "
+                                    "trainer.resume_mode=disable (the earlier run is set aside, not deleted)")
+                if ckpt is None and t.resume_from_path is not None:
+                    ckpt = Path(t.resume_from_path)
+                    notes.append(f"note: trainer.resume_from_path is set under resume_mode=auto and {run_dir} has "
+                                 f"no checkpoint: resuming from {ckpt} (verl uses it under resume_mode=resume_path "
+                                 "only)")
+                elif ckpt is not None and t.resume_from_path is not None:
+                    notes.append(f"note: trainer.resume_from_path={t.resume_from_path} is not used: resume_mode=auto "
+                                 f"resumes this folder's own newest checkpoint, {ckpt}")
+            elif t.resume_mode == "resume_path":
+                ckpt = Path(t.resume_from_path)
+            why = "trainer.resume_mode=disable" if t.resume_mode == "disable" else "no checkpoint to resume from"
+            notes = (notes + resume_check(ckpt, record, t.resume_allow_changes) if ckpt else
+                     [set_aside(run_dir, why)])
+        except (UserError, OSError) as e:
+            problem = str(e)
+    ckpt, problem = dist.broadcast_object((ckpt, problem))
+    if problem is not None:
+        raise UserError(problem)
+    if rank == 0:
+        for note in filter(None, notes):
+            print(note, file=sys.stderr)
+        save_config(cfg, run_dir / "config.yaml")
+    return ckpt

@@ -103,7 +103,6 @@ VERL_NOTES = {
     **dict.fromkeys([_R + "trace", _R + "prometheus"], _NO_HOOKS),
     **dict.fromkeys([_R + "profiler", _RM + "profiler"], _PROFILER),
     _ARR + "hybrid_engine": "nanokl's actor and rollout share each GPU (verl's hybrid engine), always",
-    _ARR + "nccl_timeout": "nanokl uses torch.distributed's default timeout",
     **dict.fromkeys([_RM + k for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes", "strategy",
                                        "ulysses_sequence_parallel_size", "use_dynamic_bsz",
                                        "forward_max_token_len_per_gpu")] +

@@ -197,6 +197,9 @@ class ActorRolloutRefConfig(VerlActorRolloutRefKeys):
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # seconds any collective waits for the other ranks (NCCL and gloo) before this rank stops: a frozen rank
+    # ends the job within it (engine/dist.py)
+    nccl_timeout: float = 600
 
 
 @dataclass
@@ -347,10 +350,15 @@ class TrainerConfig(VerlTrainerKeys):
     # ${trainer.project_name} and ${trainer.experiment_name} are filled in when the config is built
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # latest checkpoint, none, or resume_from_path
-    resume_from_path: Optional[str] = None  # checkpoint dir for resume_mode: resume_path
+    # checkpoint dir for resume_mode: resume_path; under auto, where to start when the folder has none (run.py)
+    resume_from_path: Optional[str] = None
     # nanokl-only: keys a resume may change although they change the result (a dotted key or a section; and
-    # "tokenizer", "model_shapes"): a resume that differs otherwise stops with one line naming what (run_state.py)
+    # "tokenizer", "model_shapes", "data"): a resume that differs otherwise stops with one line naming
+    # what (harness/fingerprint.py)
     resume_allow_changes: list[str] = field(default_factory=list)
+    # nanokl-only: a repeated SIGTERM / SIGINT / SIGHUP / SIGUSR1 within this many seconds of the first is
+    # counted, not obeyed (scancel and torchrun's agent each send one), so the save finishes (harness/faults.py)
+    signal_grace_s: float = 30.0
     max_actor_ckpt_to_keep: Optional[int] = None  # delete older checkpoints beyond this many; None: keep all
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     seed: int = 42  # seeds torch, numpy and python's random
@@ -375,7 +383,7 @@ RENAMED = {"actor_rollout_ref.actor.loss_mode": (
 
 
 @dataclass
-class RewardFunctionConfig:  # verl's custom_reward_function (verl_keys.CustomRewardFunctionConfig's keys) + a limit
+class CustomRewardFunctionConfig:  # verl's custom_reward_function, and a time limit
     path: Optional[str] = None  # a .py file defining the scorer; null: the task's rule (data_source picks it)
     name: str = "compute_score"  # the function in that file: compute_score(data_source, solution_str, ground_truth, extra_info)
     # nanokl-only: seconds one call may run, then the run stops as for a raising one (checkpoint, exit 1; harness/
@@ -393,7 +401,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     # verl's sections for machinery nanokl does not have (accepted with a note: notes.VERL_NOTES)
     reward_manager: dict = verl_section(source="register", name="naive")  # verl's newer home of reward_model.reward_manager
     global_profiler: dict = verl_section(tool=None)

@@ -19,7 +19,7 @@ from typing import Literal, Optional, Union
 
 from nanokl.harness.config.yaml_io import ConfigError, get_key
 
-__all__ = ["CustomRewardFunctionConfig", "FSDPConfig", "PolicyLossConfig", "VerlActorKeys", "VerlActorRolloutRefKeys",
+__all__ = ["FSDPConfig", "PolicyLossConfig", "VerlActorKeys", "VerlActorRolloutRefKeys",
            "VerlAlgorithmKeys", "VerlCriticKeys", "VerlCriticModelKeys", "VerlDataKeys", "VerlModelKeys",
            "VerlOptimKeys", "VerlRefKeys", "VerlRewardModelKeys", "VerlRewardModelModelKeys", "VerlRolloutKeys",
            "VerlTrainerKeys", "verl_section"]
@@ -68,12 +68,6 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0  # clip_cov only
     kl_cov_ratio: float = 0.0002  # kl_cov only
     ppo_kl_coef: float = 0.1  # kl_cov only
-
-
-@dataclass
-class CustomRewardFunctionConfig:
-    path: Optional[str] = None  # a .py file defining the scorer; null: the task's rule (data_source picks it)
-    name: str = "compute_score"  # the function in that file: compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
 @dataclass
@@ -207,7 +201,6 @@ class VerlRolloutKeys:
 @dataclass
 class VerlActorRolloutRefKeys:
     hybrid_engine: bool = True
-    nccl_timeout: int = 600
 
 
 @dataclass
