@@ -47,6 +47,14 @@ An adapted model's own state dict names W `<module>.base_layer.weight`, as PEFT 
 `merged_state_dict` gives the plain names back. A checkpoint needs only A and B
 (`adapter_state_dict`), plus r and alpha from the config: the base comes from the base checkpoint.
 
+How the trainer uses it (nanokl/harness/lora_run.py; actor_rollout_ref.model.lora_rank > 0). The
+actor gets adapters after it loads; the optimizer holds A and B alone; `run.ref` is `AdaptersOff`,
+the actor itself run with its adapters skipped (no reference copy), and the reference check
+(harness/ref_check.py) checksums the frozen base weights. A checkpoint's actor/ holds the merged
+export (what transformers and generate.py load) and actor/lora_adapters.safetensors (A and B, with
+r, alpha and the targets in lora_adapters.json); a resume loads the base from model.path, adds the
+adapters and loads them. A rollout copy (CUDA) receives the merged weights.
+
 tests/test_lora.py checks, in float64, the gradients of A and B against a dense W + s·B·A path;
 the bit-for-bit reference under `adapters_off` and at B = 0; the merged weights loaded into a
 plain model; `targets`; the parameter count's closed form; and the adapter state's round trip.
@@ -227,3 +235,37 @@ def load_adapter_state_dict(model: nn.Module, state: dict):
 def trainable_parameters(model: nn.Module) -> int:
     """How many parameters the optimizer holds (requires_grad), each shared one once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class AdaptersOff(nn.Module):
+    """The reference under LoRA: the adapted `model` run with every adapter skipped. The model is
+    held, not registered: this module's parameters are the base ones (`base_parameters`), so that
+    the reference's checksum reads the frozen base and no adapter."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "policy", model)  # not a submodule: .eval() / .to() leave it be
+
+    def forward(self, *args, **kwargs):
+        with adapters_off(self.policy):
+            return self.policy(*args, **kwargs)
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        return base_parameters(self.policy, prefix)
+
+    def parameters(self, recurse=True):
+        return (p for _, p in self.named_parameters())
+
+
+def base_parameters(model: nn.Module, prefix=""):
+    """(name, parameter) of every parameter but the adapters' A and B: the frozen base."""
+    for name, p in model.named_parameters(prefix):
+        if name.rpartition(".")[2] not in ("lora_A", "lora_B"):
+            yield name, p
+
+
+@torch.no_grad()
+def reset_adapters(model: nn.Module):
+    """B = 0 in every adapter: the adapted model is the base model again (π = π_ref)."""
+    for m in adapters(model).values():
+        m.lora_B.zero_()

@@ -153,7 +153,11 @@ def test_every_verl_only_field_has_a_note_or_a_rule():
 
 @pytest.mark.parametrize("override,expected", [
     ("actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.ignore_eos=True is not supported"),
-    ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank=8 is not supported: LoRA"),
+    ("critic.model.lora_rank=8", "critic.model.lora_rank=8 is not supported: LoRA on the critic"),
+    ("actor_rollout_ref.model.lora_adapter_path=x", "actor_rollout_ref.model.lora_adapter_path='x' is not "
+     "supported: pretrained LoRA adapters"),
+    ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank must be >= 0, got -1"),
+    ("actor_rollout_ref.model.lora_alpha=0", "actor_rollout_ref.model.lora_alpha must be > 0, got 0"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn="),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
      "actor_rollout_ref.actor.policy_loss.loss_mode must be one of vanilla, gspo, cispo"),
@@ -236,3 +240,16 @@ def test_a_run_without_a_kl_term_a_weightless_kl_loss_coef_and_a_long_context_sa
     assert "2049 tokens" in line and "algorithm.kl_ctrl.type=fixed" in line and "kl_stop_action=stop" in line
     assert not [n for n in startup_notes(load_config(demo, ["data.max_prompt_length=1024",
                                                             "data.max_response_length=1024"])) if "2048" in n]
+
+
+def test_lora_keys_load_at_verls_defaults_and_alone_say_they_do_nothing():
+    m = Config().actor_rollout_ref.model
+    assert (m.lora_rank, m.lora_alpha, m.target_modules, m.exclude_modules) == (0, 16, "all-linear", None)
+    cfg = load_config(None, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=32",
+                             "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])
+    m = cfg.actor_rollout_ref.model
+    assert (m.lora_rank, m.lora_alpha, m.target_modules) == (8, 32, ["q_proj", "v_proj"])
+    assert not [n for n in startup_notes(cfg) if "lora" in n]
+    cfg = load_config(None, ["actor_rollout_ref.model.lora_alpha=32"])
+    assert [n for n in startup_notes(cfg) if "lora" in n] == [
+        "note: actor_rollout_ref.model.lora_alpha=32: used only with actor_rollout_ref.model.lora_rank > 0"]

@@ -244,9 +244,27 @@ def sync_rollout_weights(rollout_model, actor):
     Nothing to do where the rollout runs the actor itself (a plain CPU actor, a DDP replica)."""
     if rollout_model is unwrap(actor):
         return
+    if any(name.endswith(".lora_A") for name, _ in unwrap(actor).named_parameters()):
+        return _sync_merged(rollout_model, unwrap(actor))
     for (name, full), (rname, p) in zip(full_tensors(actor), rollout_model.named_parameters()):
         assert name == rname, (name, rname)
         p.copy_(full)
+
+
+def _sync_merged(rollout_model, actor):
+    """An actor with LoRA adapters (nanokl/lora.py; never sharded): each adapted weight goes to the copy
+    merged, W + (alpha/r)·B A in fp32, the copy's names being the plain model's."""
+    mine = dict(rollout_model.named_parameters())
+    for name, p in actor.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if leaf in ("lora_A", "lora_B"):
+            continue
+        if owner.endswith("base_layer"):
+            owner = owner[:-len("base_layer")].rstrip(".")
+            if leaf == "weight":
+                p = p.float() + actor.get_submodule(owner).delta_weight().float()
+            name = f"{owner}.{leaf}"
+        mine[name].copy_(p)
 
 
 def _options(**kw):

@@ -130,7 +130,7 @@ class CheckpointWriteError(Exception):
 
 
 def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_state: dict, tokenizer=None,
-                    keep=None, record: dict | None = None, before_commit=None) -> Path:
+                    keep=None, record: dict | None = None, before_commit=None, extra=None) -> Path:
     """Write checkpoint `<run_dir>/global_step_{step}` atomically, then the tracker file naming it; keep only
     the newest `keep` (the old layout's counted with them) if given.
 
@@ -139,7 +139,8 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
     plain values and tensors (step, KL controller, RNG states, ...); record: what the run was started
     with, written as run.json (a resume compares it: nanokl/harness/fingerprint.py); before_commit: called
     once everything is written, before the rename that commits it (the run logs the step's metrics
-    row there, so that no checkpoint exists without its row). Raises CheckpointWriteError,
+    row there, so that no checkpoint exists without its row); extra: called with the folder being written,
+    to add files before the manifest (a LoRA run's adapters: harness/lora_run.py). Raises CheckpointWriteError,
     with nothing of the new checkpoint left on disk, when the free space is short of its size or
     the write fails."""
     root = Path(run_dir)
@@ -158,6 +159,8 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
             save_pretrained(model, tmp / name, state_dict=sd)
         if tokenizer is not None and "actor" in models:
             tokenizer.save(tmp / "actor")
+        if extra is not None:
+            extra(tmp)
         torch.save(optim_state, tmp / "optim.pt")
         torch.save({**trainer_state, "global_step": step}, tmp / "trainer_state.pt")
         if record is not None:

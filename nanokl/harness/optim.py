@@ -23,7 +23,9 @@ def lr_lambda(optim, total_steps):
 
 
 def make_optimizer(model, optim, total_steps, offload_state=False):
-    params = list(model.parameters())
+    # under LoRA the adapters alone; a model with nothing trainable keeps them all (a reference that is the
+    # actor froze it: harness/ref_check.py's setup test then names the cause, not torch's empty-list error)
+    params = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
     # On CUDA, torch's fused AdamW: one kernel per step for all parameters instead of a dozen per group
     # (the same update up to float rounding). The CPU keeps the default for-each path, bit for bit as before.
     fused = bool(params) and all(p.device.type == "cuda" for p in params) or None

@@ -51,6 +51,10 @@ at that path replaced between two runs would therefore pass: it is the reference
 The recheck logs monitor/ref_consistent (1.0 equal, 0.0 not), monitor/ref_logp_diff (the probe's
 largest |change| of a log-prob) and timing_s/ref_check on the steps it runs. It is not one of the
 monitor's CHECKS: those read a step's metrics; this one runs a model.
+LoRA (harness/lora_run.py). The reference is the actor itself with its adapters off (lora.AdaptersOff),
+so its parameters are the actor's frozen base: the storage test then passes a base weight shared under
+its own name and refuses anything else (an adapter, the rollout copy, the critic), a base weight that
+requires grad or sits in the optimizer; the checksum reads the base alone and must stay exact.
 tests/test_ref_check.py plants a reference that shares the actor's parameters in a real run.
 """
 
@@ -61,6 +65,7 @@ from nanokl.harness.data import encode_prompts
 from nanokl.harness.metrics import timer
 from nanokl.harness.run_state import TrainingStopped
 from nanokl.forwards import compute_log_probs
+from nanokl.lora import AdaptersOff
 
 PROBE_PROMPTS = 8  # rows of the probe: a few, so that a recheck costs one small forward
 # How far the probe's log-probs may move with untouched weights: float32 sums re-split across threads
@@ -113,14 +118,16 @@ def _storage(p):
     return p.untyped_storage().data_ptr() if p.numel() else None
 
 
-def shared_with(ref, model) -> tuple[str, str] | None:
-    """(reference parameter, model parameter) of the first pair living in the same memory, or None."""
+def shared_with(ref, model, same_name_ok=False) -> tuple[str, str] | None:
+    """(reference parameter, model parameter) of the first pair living in the same memory, or None.
+    `same_name_ok` (LoRA: the reference is the actor's own base) passes a parameter shared under its
+    own name: then only the adapters, whose names no reference parameter has, may not be shared."""
     if model is None:
         return None
     owners = {_storage(p): name for name, p in shard.unwrap(model).named_parameters()}
     owners.pop(None, None)
     for name, p in shard.unwrap(ref).named_parameters():
-        if _storage(p) in owners:
+        if _storage(p) in owners and not (same_name_ok and owners[_storage(p)] == name):
             return name, owners[_storage(p)]
     return None
 
@@ -128,9 +135,10 @@ def shared_with(ref, model) -> tuple[str, str] | None:
 def diagnose(run) -> str | None:
     """The likely reason the reference is not frozen, from the models themselves; None when none holds."""
     ref = shard.unwrap(run.ref)
+    lora = isinstance(ref, AdaptersOff)  # the actor with its adapters off: its parameters are the frozen base
     for what, model in (("actor", run.actor), ("rollout copy", run.rollout_model if run.rollout_copy else None),
                         ("critic", run.critic)):
-        pair = shared_with(ref, model)
+        pair = shared_with(ref, model, same_name_ok=lora and what == "actor")
         if pair:
             return (f"the reference shares storage with the {what} (reference {pair[0]} is {what} {pair[1]}): "
                     f"every update of the {what} moves it; build the reference from its own copy of the weights")
@@ -187,7 +195,8 @@ def recheck(run, done: int, metrics: dict) -> str | None:
     metrics["monitor/ref_logp_diff"] = diff
     if weights_same and outputs_same:
         return None
-    what = ("its parameters' checksum differs from the one recorded at start" if not weights_same else
+    whose = "the actor's frozen base weights' (LoRA)" if isinstance(run.ref, AdaptersOff) else "its parameters'"
+    what = (f"{whose} checksum differs from the one recorded at start" if not weights_same else
             f"its log-probs on the probe batch moved by up to {diff:.3g} with its parameters unchanged")
     cause = diagnose(run) or "changed by something outside the trainer (an in-place write, a hook, another process)"
     return f"reference check stopped the run at step {done}: {what}; likely cause: {cause}"

@@ -38,6 +38,7 @@ better restarted with algorithm.adv_estimator=grpo.
 
 from nanokl.engine import shard
 from nanokl.harness.checkpoint import checkpoint_dir
+from nanokl.harness import lora_run
 from nanokl.kl_ctrl import FixedKLController
 
 
@@ -95,7 +96,10 @@ def set_knob(run, knob, old, new):
 def reload_reference(run):
     """The reference (SFT) weights back into the actor, and the actor's Adam moments dropped: they
     belong to the weights that drifted. Rank 0 reads, every rank loads; the rollout copy follows."""
-    shard.load_full_state_dict(run.actor, shard.full_state_dict(run.ref))
+    if lora_run.has_adapters(run.actor):  # LoRA: the reference is the base itself; B = 0 gives it back
+        lora_run.restart_from_reference(run.actor)
+    else:
+        shard.load_full_state_dict(run.actor, shard.full_state_dict(run.ref))
     run.actor_opt.state.clear()
     if run.rollout_copy:
         shard.sync_rollout_weights(run.rollout_model, run.actor)

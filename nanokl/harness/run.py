@@ -54,7 +54,7 @@ from tqdm import tqdm
 from nanokl.engine import dist, shard
 from nanokl.advantages import ESTIMATORS
 from nanokl.engine.batching import Batching
-from nanokl.harness import ref_check, variants
+from nanokl.harness import lora_run, ref_check, variants
 from nanokl.harness.checkpoint import verify_checkpoint
 from nanokl.harness.config.build import config_to_dict
 from nanokl.harness.config.schema import Config
@@ -253,13 +253,17 @@ def load_models(cfg, ckpt, device, needs_critic) -> dict:
     with the offload settings the optimizers take."""
     arr, c, t = cfg.actor_rollout_ref, cfg.critic, cfg.trainer
     a, ro = arr.actor, arr.rollout
-    model_path = Path(arr.model.path)
-    actor_path = ckpt / "actor" if ckpt else model_path
+    model_path, lora = Path(arr.model.path), lora_run.lora_enabled(cfg)
+    lora_run.refuse_unsupported(cfg)
+    actor_path = ckpt / "actor" if ckpt else model_path  # under LoRA: the merged export (the rollout copy's)
     over = arr.model.override_config  # verl's model.override_config: entries replacing config.json's
-    actor = from_pretrained(actor_path, device=device, overrides=over).train()
+    actor = from_pretrained(model_path if lora else actor_path, device=device, overrides=over).train()
     actor.model.gradient_checkpointing = arr.model.enable_gradient_checkpointing
-    ref = from_pretrained(model_path, device=device, overrides=over)  # fp32, under the actor's autocast
-    ref.eval().requires_grad_(False)
+    if lora:  # the base + adapters (the checkpoint's); the reference is the actor with its adapters off
+        ref = lora_run.attach(actor, cfg, ckpt)
+    else:
+        ref = from_pretrained(model_path, device=device, overrides=over)  # fp32, under the actor's autocast
+        ref.eval().requires_grad_(False)
     critic = None
     if needs_critic:
         critic = load_value_model(ckpt / "critic" if ckpt else c.model.path, device=device, seed=t.seed,
@@ -275,7 +279,7 @@ def load_models(cfg, ckpt, device, needs_critic) -> dict:
         rollout_model = fuse_for_rollout(from_pretrained(actor_path, device=device, dtype=dtype,
                                                          overrides=over).eval().requires_grad_(False))
     if device.type == "cuda":  # verl's use_torch_compile: each decoder layer compiled (model.py); CUDA only
-        for model, on in ((actor, a.use_torch_compile), (ref, arr.ref.use_torch_compile),
+        for model, on in ((actor, a.use_torch_compile), (None if lora else ref, arr.ref.use_torch_compile),
                           (critic, a.use_torch_compile)):
             if model is not None and on:
                 compile_layers(model)
@@ -284,7 +288,7 @@ def load_models(cfg, ckpt, device, needs_critic) -> dict:
     c_off = shard.offload_setting("critic.model", c.strategy, device, c.model.fsdp_config) if needs_critic else (0, 0)
     ref_off = shard.offload_setting("actor_rollout_ref.ref", arr.ref.strategy, device, arr.ref.fsdp_config, False)
     actor = shard.wrap(actor, a.strategy, device, offload=a_off[0])
-    ref = shard.wrap(ref, arr.ref.strategy, device, trainable=False, offload=ref_off[0])
+    ref = ref if lora else shard.wrap(ref, arr.ref.strategy, device, trainable=False, offload=ref_off[0])
     critic = shard.wrap(critic, c.strategy, device, offload=c_off[0]) if critic is not None else None
     return dict(actor=actor, ref=ref, critic=critic, rollout_model=rollout_model, rollout_copy=rollout_copy,
                 actor_offload=a_off[1], critic_offload=c_off[1])

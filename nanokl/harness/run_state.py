@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from nanokl.engine import dist, shard
-from nanokl.harness import remedies
+from nanokl.harness import lora_run, remedies
 from nanokl.harness.checkpoint import (LEGACY_ROOT, POINTER, CheckpointWriteError, committed, latest_checkpoint,
                                        load_state, rng_state, save_checkpoint, set_rng_state)
 from nanokl.harness.config.load import save_config
@@ -62,7 +62,9 @@ def _restore(run, path, weights=False):
     optim_state, state = load_state(path, read_optim=run.rank == 0)
     optim_state = optim_state or {}
     for name, model, opt, _ in _models(run):
-        if weights:
+        if weights and lora_run.has_adapters(model):  # LoRA: the base never moved; every rank reads the adapters
+            lora_run.load_adapters(shard.unwrap(model), path / name)
+        elif weights:
             load = from_pretrained if name == "actor" else load_value_model
             shard.load_full_state_dict(model, load(path / name).state_dict() if run.rank == 0 else {})
         shard.load_optimizer_state(model, opt, optim_state.get(name, {}))
@@ -96,7 +98,7 @@ def save(run, step, healthy=True, before_commit=None) -> Path:
     """Every rank gathers (a collective), rank 0 writes full HF weights + name-keyed optimizer state and
     the run's record; `before_commit` (the step's metrics row) runs before the checkpoint commits."""
     run.healthy_step = step if healthy else run.healthy_step
-    weights = {name: (shard.unwrap(m), shard.full_state_dict(m)) for name, m, _, _ in _models(run)}
+    weights = {name: (shard.unwrap(m), lora_run.full_weights(m)) for name, m, _, _ in _models(run)}  # LoRA: merged
     optim = {}
     for name, model, opt, sched in _models(run):
         optim.update({name: shard.optimizer_state(model, opt), f"{name}_sched": sched.state_dict()})
@@ -108,7 +110,7 @@ def save(run, step, healthy=True, before_commit=None) -> Path:
         try:
             path = save_checkpoint(run.run_dir, step, weights, optim, state, tokenizer=run.tok,
                                    keep=run.cfg.trainer.max_actor_ckpt_to_keep, record=getattr(run, "record", None),
-                                   before_commit=before_commit)
+                                   before_commit=before_commit, extra=lora_run.adapter_writer(run.actor))
         except CheckpointWriteError as e:
             failed = str(e)
     failed = dist.broadcast_object(failed)  # every rank stops, none waits forever for rank 0

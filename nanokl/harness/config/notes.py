@@ -57,7 +57,8 @@ VERL_NOTES = {
         "lora_alpha": _UNUSED.format("lora_rank > 0"), "target_modules": _UNUSED.format("lora_rank > 0"),
         "exclude_modules": _UNUSED.format("lora_rank > 0"), "tiled_mlp": "nanokl's MLP runs untiled",
         "use_liger": _FUSED, "fused_kernel_options": _FUSED}.items()
-       if m != "critic.model" or k not in ("exclude_modules", "use_liger", "fused_kernel_options")},
+       if m != "critic.model" or k not in ("exclude_modules", "use_liger", "fused_kernel_options")
+       if m == "critic.model" or k not in ("lora_alpha", "target_modules", "exclude_modules")},
     **{f"{p}.fsdp_config.{k}": _FSDP for p in (_A[:-1], _ARR + "ref", "critic.model")
        for k in ("offload_policy", "reshard_after_forward", "fsdp_size", "forward_prefetch", "wrap_policy",
                  "model_dtype", "dtype", "use_orig_params", "use_torch_compile", "ulysses_sequence_parallel_size",
@@ -150,6 +151,10 @@ def startup_notes(cfg) -> list[str]:
             lines.append(f"note: {m}.override_config.attn_implementation="
                          f"{get_key(cfg, m).override_config['attn_implementation']!r}: nanokl's attention is its own "
                          f"(nanokl/engine/attention.py): the setting picks no kernel")
+    m, dm = cfg.actor_rollout_ref.model, defaults.actor_rollout_ref.model
+    for k in ("lora_alpha", "target_modules", "exclude_modules"):  # LoRA's own keys, set without LoRA
+        if m.lora_rank == 0 and _differs(getattr(m, k), getattr(dm, k)):
+            lines.append(f"note: {_ARR}model.{k}={getattr(m, k)!r}: used only with {_ARR}model.lora_rank > 0")
     if getattr(cfg, "kl_monitor_by_default", False):  # on, and neither a config nor the command said so
         lines.append(monitor_note(cfg.trainer.kl_monitor))
     alg, a = cfg.algorithm, cfg.actor_rollout_ref.actor

@@ -99,6 +99,12 @@ class PolicyModelConfig(VerlModelKeys):
     # whole [tokens, vocab] logits in fp32 (nanokl/engine/fused.py's chunked_log_probs, its own backward)
     use_fused_kernels: bool = False
     fused_chunk_size: int = 2048  # nanokl-only: tokens per chunk of those logits (fp32 chunk x vocab x 4 bytes)
+    # LoRA (verl's keys, PEFT's meaning; nanokl/lora.py): only the adapters train, and the reference is the
+    # actor with its adapters off (no second model); 0: every weight trains
+    lora_rank: int = 0
+    lora_alpha: int = 16  # the update is scaled by lora_alpha / lora_rank
+    target_modules: Union[str, list[str]] = "all-linear"  # module names, or one regular expression
+    exclude_modules: Optional[Union[str, list[str]]] = None
 
 
 @dataclass

@@ -99,11 +99,7 @@ class VerlModelKeys:
     custom_chat_template: Optional[str] = None  # refused when set (it changes the prompts)
     external_lib: Optional[str] = None
     enable_activation_offload: bool = False
-    lora_rank: int = 0  # refused when > 0: nanokl trains every weight
-    lora_alpha: int = 16
-    target_modules: Union[str, list[str]] = "all-linear"
-    exclude_modules: Optional[Union[str, list[str]]] = None
-    lora_adapter_path: Optional[str] = None  # refused when set
+    lora_adapter_path: Optional[str] = None  # refused when set (lora_rank & co.: schema.PolicyModelConfig)
     use_liger: bool = False
     fused_kernel_options: dict = _d(impl_backend="torch")  # noted: nanokl's chunked kernel is plain torch
     tiled_mlp: dict = _d(enabled=False, num_shards=4)
@@ -116,7 +112,7 @@ class VerlCriticModelKeys:
     trust_remote_code: bool = False
     external_lib: Optional[str] = None
     enable_activation_offload: bool = False
-    lora_rank: int = 0  # refused when > 0
+    lora_rank: int = 0  # refused when > 0: the critic trains every weight (its fresh value head must train)
     lora_alpha: int = 16
     target_modules: Union[str, list[str]] = "all-linear"
     tiled_mlp: dict = _d(enabled=False, num_shards=4)
@@ -281,9 +277,9 @@ _VERL_REFUSED = [
     ("data.apply_chat_template_kwargs", bool, "chat-template arguments: nanokl renders with data.prompt_template"),
     (_ARR + "model.hf_config_path", lambda v: v, "nanokl reads config.json from model.path"),
     (_ARR + "model.custom_chat_template", lambda v: v, "nanokl renders prompts with data.prompt_template"),
-    (_ARR + "model.lora_rank", lambda v: v > 0, "LoRA: nanokl trains every weight"),
-    (_C + "model.lora_rank", lambda v: v > 0, "LoRA: nanokl trains every weight"),
-    (_ARR + "model.lora_adapter_path", lambda v: v, "LoRA: nanokl trains every weight"),
+    (_C + "model.lora_rank", lambda v: v > 0, "LoRA on the critic: nanokl trains every weight of the critic, "
+     "whose fresh value head must train (the actor takes actor_rollout_ref.model.lora_rank)"),
+    (_ARR + "model.lora_adapter_path", lambda v: v, "pretrained LoRA adapters: nanokl's start at B = 0 (lora_rank)"),
     (_ARR + "model.mtp", lambda v: v.get("enable"), "multi-token prediction: nanokl's models predict one token"),
     (_A + "optim.override_optimizer_config", lambda v: v, "nanokl's AdamW takes the optim keys only"),
     (_C + "optim.override_optimizer_config", lambda v: v, "nanokl's AdamW takes the optim keys only"),
