@@ -4,8 +4,16 @@ Every PPO step produces a flat dict of floats under verl's metric names (`actor/
 `critic/score/mean`, `timing_s/gen`, ...). `Tracker` appends it as one JSON object per line to
 `<run dir>/metrics.jsonl` (with `training/global_step`), the file that nanokl/harness/plot.py, the tests
 and the README's numbers read; prints a line per step through tqdm so the progress bar stays intact;
-and forwards it to TensorBoard or Weights & Biases only when the package is installed and
-`trainer.logger` asks for it (verl's `Tracking` does the same with more backends).
+and forwards it to the trackers `trainer.logger` names, verl's backends (verl/utils/tracking.py `Tracking`):
+- `tensorboard`: events in `$TENSORBOARD_DIR` if set, else `tensorboard_log/{project_name}/{experiment_name}`
+  (relative to the working directory), as verl's _TensorboardAdapter; a start-up line says where;
+- `wandb`, `mlflow`, `swanlab`, `clearml`: through their package, each adapter a few lines (mlflow: experiment
+  = project_name, run = experiment_name, `mlflow.log_metrics(step=)`; the tracking URI is mlflow's own choice,
+  $MLFLOW_TRACKING_URI or ./mlruns; '@' in a name, which mlflow refuses, becomes '_at_');
+- `file`: verl's FileLogger, a JSON line `{"step": N, "data": {...}}` a step, to `$VERL_FILE_LOGGER_PATH` if
+  set, else `{$VERL_FILE_LOGGER_ROOT or .}/{project_name}/{experiment_name}.jsonl`; a start-up line says where.
+None of these packages is a dependency: a tracker whose package is absent is one line at start
+("tracking: mlflow is not installed; skipping it") and the run goes on.
 
 The console line, one per step (and one per validation row), under `console` in trainer.logger:
 - verl's (`verl_console_line`), as verl's console logger prints it (verl/utils/logger/aggregate_logger.py
@@ -122,6 +130,7 @@ class Tracker:
         self.enabled, self.backends = enabled, set(backends)
         self.console = console_style(self.backends)
         self.file = self.tb = self.wandb = self.generations = self.table = None
+        self.others = []  # mlflow, swanlab, clearml, file: objects with log(row, step) and finish()
         if not enabled:
             return
         run_dir = Path(run_dir)
@@ -135,11 +144,20 @@ class Tracker:
                           "which this run redoes", file=sys.stderr)
         self.file = open(run_dir / "metrics.jsonl", "a")
         if "tensorboard" in self.backends:
+            where = tensorboard_dir(project, experiment)
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self.tb = SummaryWriter(where)
+                print(f"tracking: tensorboard events go to {where}", file=sys.stderr)
             except ImportError:
-                print("tracking: tensorboard is not installed; skipping it", file=sys.stderr)
+                print(f"tracking: tensorboard is not installed; skipping it (its events would go to {where})",
+                      file=sys.stderr)
+        for name, make in (("mlflow", _Mlflow), ("swanlab", _Swanlab), ("clearml", _ClearML), ("file", _File)):
+            if name in self.backends:
+                try:
+                    self.others.append(make(project, experiment, config, resume_step))
+                except ImportError:
+                    print(f"tracking: {name} is not installed; skipping it", file=sys.stderr)
         if "wandb" in self.backends:
             try:
                 import wandb
@@ -164,6 +182,8 @@ class Tracker:
                 self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(row, step=step)
+        for other in self.others:
+            other.log(row, step)
 
     def log_generations(self, samples, step: int):
         """Validation samples [(input, output, score), ...] of step `step` (the module docstring)."""
@@ -196,6 +216,87 @@ class Tracker:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+        for other in self.others:
+            other.finish()
+
+
+def tensorboard_dir(project: str, experiment: str) -> str:
+    """Where verl's _TensorboardAdapter writes: $TENSORBOARD_DIR, else tensorboard_log/{project}/{experiment}."""
+    return os.environ.get("TENSORBOARD_DIR") or f"tensorboard_log/{project}/{experiment}"
+
+
+def file_logger_path(project: str, experiment: str) -> str:
+    """Where verl's FileLogger writes: $VERL_FILE_LOGGER_PATH, else {$VERL_FILE_LOGGER_ROOT or .}/{project}/{experiment}.jsonl."""
+    root = os.path.expanduser(os.environ.get("VERL_FILE_LOGGER_ROOT", "."))
+    return os.environ.get("VERL_FILE_LOGGER_PATH") or os.path.join(root, project, f"{experiment}.jsonl")
+
+
+def _numbers(row: dict) -> dict:
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class _File:
+    """verl's `file` logger: {"step": N, "data": row} a line (a resumed run first drops the steps it redoes)."""
+
+    def __init__(self, project, experiment, config, resume_step):
+        self.path = Path(file_logger_path(project, experiment))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            drop_rows_after(self.path, resume_step, "step")
+        self.f = open(self.path, "a")
+        print(f"tracking: file logger writes to {self.path}", file=sys.stderr)
+
+    def log(self, row, step):
+        self.f.write(json.dumps({"step": step, "data": row}) + "\n")
+        self.f.flush()
+
+    def finish(self):
+        self.f.close()
+
+
+class _Mlflow:
+    def __init__(self, project, experiment, config, resume_step):
+        import mlflow
+        self.mlflow = mlflow
+        mlflow.set_experiment(project)
+        mlflow.start_run(run_name=experiment)
+
+    def log(self, row, step):
+        self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in _numbers(row).items()}, step=step)
+
+    def finish(self):
+        self.mlflow.end_run()
+
+
+class _Swanlab:
+    def __init__(self, project, experiment, config, resume_step):
+        import swanlab
+        self.swanlab = swanlab
+        swanlab.init(project=project, experiment_name=experiment, config=config,
+                     logdir=os.environ.get("SWANLAB_LOG_DIR", "swanlog"), mode=os.environ.get("SWANLAB_MODE", "cloud"))
+
+    def log(self, row, step):
+        self.swanlab.log(_numbers(row), step=step)
+
+    def finish(self):
+        self.swanlab.finish()
+
+
+class _ClearML:
+    def __init__(self, project, experiment, config, resume_step):
+        import clearml
+        self.task = clearml.Task.init(project_name=project, task_name=experiment, continue_last_task=True,
+                                      output_uri=False)
+        self.task.connect_configuration(config or {}, name="Hyperparameters")
+
+    def log(self, row, step):
+        logger = self.task.get_logger()
+        for k, v in _numbers(row).items():
+            title, _, series = k.partition("/")
+            logger.report_scalar(title=title, series=series or title, value=v, iteration=step)
+
+    def finish(self):
+        self.task.close()
 
 
 def _plain(v):

@@ -54,7 +54,8 @@ from nanokl.harness.config.verl_keys import *  # noqa: F403 (the Verl*Keys bases
 # Names owned by a lesson module (a KL estimator, a loss aggregation, an advantage estimator, a
 # task) are typed `str` here; rules.validate checks them against the owner's list.
 Strategy = Literal["none", "ddp", "fsdp", "fsdp2"]  # nanokl has one plain, one DDP, one FSDP2 path; verl's fsdp -> fsdp2
-Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
+# verl's Tracking backends (verl/utils/tracking.py) + nanokl's jsonl; each tracker: nanokl/harness/tracking.py
+Logger = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab", "file", "clearml"]
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""verl habits that broke nanokl (issue 48, items 1, 2, 3, 7, 8), each driven through train_ppo.py as a verl
+user types it: verl's logger names (mlflow, swanlab, clearml, file), TensorBoard's directory, the metrics
+verl's dashboards plot (actor/lr, perf/max_memory_*, response_length_non_aborted/*), a resume with
+trainer.del_local_ckpt_after_load, the batch reward manager with reward_kwargs, critic_warmup counted as
+verl counts it, max_critic_ckpt_to_keep.
+"""
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+from test_cluster import ROOT, TINY, args, steps_logged
+
+import subprocess
+
+
+def launch(argv, env_extra=None, script=None, cwd=ROOT):
+    """train_ppo.py (or `script`, which runs it) in a new process, with extra environment variables."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("NANOKL_FAULT", "TENSORBOARD_DIR", "VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT"):
+        env.pop(k, None)
+    env.update(env_extra or {})
+    program = [str(script)] if script else [str(ROOT / "train_ppo.py")]
+    return subprocess.run([sys.executable, *program, *map(str, argv)], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=600)
+
+
+def two_steps(sft_dir, run_dir, *extra):
+    return args(sft_dir, run_dir, "trainer.total_training_steps=2", *extra)
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
+
+
+# item 1 ---------------------------------------------------------------------------------------------------------
+
+def test_verl_logger_names_start_and_file_writes_verls_json_lines(sft_dir, tmp_path):
+    path = tmp_path / "file_logger" / "metrics.jsonl"
+    r = launch(two_steps(sft_dir, tmp_path / "run", "trainer.logger=['console','mlflow','swanlab','clearml','file']"),
+               {"VERL_FILE_LOGGER_PATH": str(path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in ("mlflow", "swanlab", "clearml"):  # none installed here: one line each, the run goes on
+        assert sum(f"tracking: {name} is not installed; skipping it" in line for line in r.stderr.splitlines()) == 1
+    assert f"tracking: file logger writes to {path}" in r.stderr
+    got = [json.loads(line) for line in open(path)]
+    assert [g["step"] for g in got] == [1, 2]
+    assert got[0]["data"]["critic/score/mean"] == rows(tmp_path / "run")[0]["critic/score/mean"]
+    assert "step:1 - training/global_step:1 - " in r.stdout  # verl's console line still
+
+
+def test_file_logger_default_path_is_project_and_experiment(sft_dir, tmp_path):
+    r = launch(two_steps(sft_dir, tmp_path / "run", "trainer.logger=file", "trainer.project_name=proj",
+                         "trainer.experiment_name=exp"), {"VERL_FILE_LOGGER_ROOT": str(tmp_path / "root")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "root" / "proj" / "exp.jsonl")] == [1, 2]
+
+
+# item 2 ---------------------------------------------------------------------------------------------------------
+
+STUB = """\
+import runpy, sys, types
+from pathlib import Path
+calls = []
+class SummaryWriter:  # torch.utils.tensorboard needs the tensorboard package, absent here
+    def __init__(self, log_dir):
+        self.dir = Path(log_dir); self.dir.mkdir(parents=True, exist_ok=True)
+    def add_scalar(self, k, v, step):
+        calls.append((k, step))
+    def add_text(self, *a):
+        pass
+    def close(self):
+        (self.dir / "stub_events.txt").write_text(repr(calls))
+sys.modules["torch.utils.tensorboard"] = types.SimpleNamespace(SummaryWriter=SummaryWriter)
+sys.argv = [{train!r}] + sys.argv[1:]
+sys.path[0] = str(Path({train!r}).parent)  # as `python train_ppo.py` would have it
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def tensorboard_run(sft_dir, tmp_path, env):
+    script = tmp_path / "with_stub_tensorboard.py"
+    script.write_text(STUB.format(train=str(ROOT / "train_ppo.py")))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    r = launch(two_steps(sft_dir, tmp_path / "run", "trainer.logger=[console,tensorboard]",
+                         "trainer.project_name=proj", "trainer.experiment_name=exp"), env, script=script, cwd=work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, work
+
+
+def test_tensorboard_goes_to_TENSORBOARD_DIR_and_says_so(sft_dir, tmp_path):
+    r, _ = tensorboard_run(sft_dir, tmp_path, {"TENSORBOARD_DIR": str(tmp_path / "tb")})
+    assert f"tracking: tensorboard events go to {tmp_path / 'tb'}" in r.stderr
+    assert ("critic/score/mean", 2) in eval((tmp_path / "tb" / "stub_events.txt").read_text())
+    assert not (tmp_path / "run" / "tensorboard").exists()
+
+
+def test_tensorboard_default_is_verls_tensorboard_log_project_experiment(sft_dir, tmp_path):
+    r, work = tensorboard_run(sft_dir, tmp_path, {})
+    assert "tracking: tensorboard events go to tensorboard_log/proj/exp" in r.stderr
+    assert (work / "tensorboard_log" / "proj" / "exp" / "stub_events.txt").is_file()
