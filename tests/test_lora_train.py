@@ -11,7 +11,9 @@ actor_rollout_ref.model.lora_rank=4` on the tiny CPU config (tests/test_cluster.
 - the merged export loads with nanokl's from_pretrained (and transformers when installed), logits
   equal to the adapted model's within fp32 rounding;
 - a rollout copy (CUDA's path) receives the merged weights; fsdp2 under torchrun is refused in one line;
-- DDP over 2 gloo processes: finite, and the same adapters on both ranks (every rank's saved file).
+- DDP over 2 gloo processes: finite, and the same adapters on both ranks (each rank's, dumped at the end);
+- a rollback restores the checkpoint's adapters and their Adam moments by name; "start over from the
+  reference" (remedies.reload_reference) sets B = 0, which is the base model bit for bit.
 """
 
 import json
@@ -41,7 +43,7 @@ TINY = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), "data.num_train=6
         "trainer.val_before_train=false", "trainer.total_training_steps=4", "trainer.save_freq=2"]
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=16",
         "actor_rollout_ref.actor.optim.lr=1e-2"]
-QUIET = ("timing", "perf/throughput", "perf/time_per_step")
+QUIET = ("timing", "perf/throughput", "perf/time_per_step", "perf/cpu_memory", "perf/max_memory")  # machine readings
 LINE = "LoRA: rank 4, alpha 16 on 7 modules (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj): "
 
 
@@ -190,11 +192,61 @@ def test_e_a_rollout_copy_gets_the_merged_weights_and_fsdp2_is_refused(sft_dir, 
         dist.active = real
 
 
+DUMP = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+import train_ppo
+from nanokl.engine import shard
+from nanokl.lora import adapter_state_dict
+real = train_ppo.finish
+def finish(run):  # every rank's adapters at the end, before the run's own finish
+    torch.save({{k: v.clone() for k, v in adapter_state_dict(shard.unwrap(run.actor)).items()}},
+               os.path.join({out!r}, f"adapters_rank{{run.rank}}.pt"))
+    return real(run)
+train_ppo.finish = finish
+sys.exit(train_ppo.main(sys.argv[1:]))
+"""
+
+
 def test_f_ddp_over_two_processes_keeps_one_set_of_adapters(sft_dir, tmp_path):
-    proc = launch(args(sft_dir, tmp_path, "actor_rollout_ref.actor.strategy=ddp", "trainer.total_training_steps=2"),
-                  nproc=2)
+    script = tmp_path / "dump.py"
+    script.write_text(DUMP.format(root=str(ROOT), out=str(tmp_path)))
+    argv = args(sft_dir, tmp_path / "run", "actor_rollout_ref.actor.strategy=ddp", "trainer.total_training_steps=2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("NANOKL_FAULT", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), *argv], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = rows(tmp_path)
+    got = rows(tmp_path / "run")
     assert [r["training/global_step"] for r in got] == [1, 2]
     assert all(math.isfinite(v) for r in got for v in r.values() if isinstance(v, (int, float)))
     assert proc.stderr.count("LoRA: rank 4") == 1  # rank 0 says it
+    a, b = (torch.load(tmp_path / f"adapters_rank{r}.pt") for r in (0, 1))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # one set of adapters
+    assert any(v.abs().max() > 0 for k, v in a.items() if k.endswith("lora_B"))  # and they trained
+    saved = load_file(latest_checkpoint(tmp_path / "run") / "actor" / lora_run.ADAPTERS)
+    assert all(torch.equal(saved[k], a[k]) for k in a)
+
+
+def test_g_a_rollback_reloads_the_adapters_and_a_restart_from_the_reference_zeroes_b(sft_dir, straight):
+    from nanokl.harness import remedies
+    from nanokl.harness.run_state import _restore
+    out, _ = straight
+    actor, ref = adapted(sft_dir, out / "global_step_4")  # the actor at step 4 rolls back to step 2
+    from nanokl.harness.optim import make_optimizer
+    opt, sched = make_optimizer(actor, cfg_of(sft_dir, out).actor_rollout_ref.actor.optim, 4)  # A and B alone
+    assert len(opt.param_groups[0]["params"]) == 14
+    run = SimpleNamespace(rank=0, actor=actor, actor_opt=opt, actor_sched=sched, critic=None, rollout_copy=False,
+                          rollout_model=actor, ref=ref)
+    _restore(run, out / "global_step_2", weights=True)
+    want = load_file(out / "global_step_2" / "actor" / lora_run.ADAPTERS)
+    from nanokl.lora import adapter_state_dict
+    assert all(torch.equal(v, want[k]) for k, v in adapter_state_dict(actor).items())
+    assert len(opt.state) == len(want)  # Adam's moments of every A and B, by name
+    remedies.reload_reference(run)
+    assert not opt.state and all(v.abs().max() == 0 for k, v in adapter_state_dict(actor).items()
+                                 if k.endswith("lora_B"))
+    base = from_pretrained(sft_dir)
+    ids = torch.randint(3, base.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(actor(ids), base(ids))  # B = 0: the policy is the reference again
