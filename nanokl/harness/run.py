@@ -250,7 +250,8 @@ def load_data(cfg, rank):
 def load_models(cfg, ckpt, device, needs_critic) -> dict:
     """The policy (actor; from the checkpoint when resuming), its frozen reference, the critic when one
     trains, and the rollout's copy where one is needed, each wrapped for torchrun (nanokl/engine/shard.py);
-    with the offload settings the optimizers take."""
+    with the offload settings the optimizers take. Under LoRA (model.lora_rank > 0) the actor is the base
+    with adapters and the reference is the actor with its adapters off (harness/lora_run.py)."""
     arr, c, t = cfg.actor_rollout_ref, cfg.critic, cfg.trainer
     a, ro = arr.actor, arr.rollout
     model_path, lora = Path(arr.model.path), lora_run.lora_enabled(cfg)
