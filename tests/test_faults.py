@@ -37,7 +37,7 @@ TINY = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), "data.num_train=6
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.logger=[jsonl]", "trainer.test_freq=-1",
         "trainer.total_training_steps=5", "trainer.save_freq=3",
         "algorithm.adv_estimator=gae"]  # the step with a critic: its weights, optimizer and resume too
-QUIET = ("timing", "perf/throughput", "perf/time_per_step")
+QUIET = ("timing", "perf/throughput", "perf/time_per_step", "perf/cpu_memory", "perf/max_memory")  # machine readings
 # fsdp2: its resume under 2 processes is bit-exact. DDP's is not: its first update after a resume
 # differs from an uninterrupted run's in the last float bit (<= 4e-9 on these weights), which we
 # measured but did not trace; a 1-process DDP resume is exact

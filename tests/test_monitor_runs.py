@@ -165,7 +165,7 @@ def test_adjustments_and_the_schedule_survive_a_resume(sft_dir, tmp_path, capfd,
     monkeypatch.delenv("NANOKL_FAULT")
     assert go(tmp_path / "b")[0] == 0
     ra, rb = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
-    quiet = ("timing", "perf/throughput", "perf/time_per_step")
+    quiet = ("timing", "perf/throughput", "perf/time_per_step", "perf/cpu_memory", "perf/max_memory")
     assert [{k: v for k, v in r.items() if not k.startswith(quiet)} for r in ra] == \
         [{k: v for k, v in r.items() if not k.startswith(quiet)} for r in rb]
     steps = {r["training/global_step"]: r for r in ra if "actor/target_kl" in r}

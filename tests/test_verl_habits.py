@@ -102,3 +102,21 @@ def test_tensorboard_default_is_verls_tensorboard_log_project_experiment(sft_dir
     r, work = tensorboard_run(sft_dir, tmp_path, {})
     assert "tracking: tensorboard events go to tensorboard_log/proj/exp" in r.stderr
     assert (work / "tensorboard_log" / "proj" / "exp" / "stub_events.txt").is_file()
+
+
+# item 3 ---------------------------------------------------------------------------------------------------------
+
+def test_verl_dashboard_metrics_are_logged(sft_dir, tmp_path):
+    r = launch(two_steps(sft_dir, tmp_path / "run", "algorithm.adv_estimator=gae", "critic.optim.lr_warmup_steps=3"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = rows(tmp_path / "run")
+    # the critic's LR after the step's scheduler step, as verl logs it (get_last_lr): the rate of the next step,
+    # 1/3, 2/3, 3/3 of its 3-step warm-up for steps 1, 2, 3 (nanokl/harness/optim.py)
+    assert [g["critic/lr"] for g in got] == [3e-4 * 2 / 3, 3e-4]
+    assert [g["actor/lr"] for g in got] == [2e-5, 2e-5]
+    for g in got:
+        assert g["perf/max_memory_allocated_gb"] == g["perf/max_memory_reserved_gb"] == 0.0  # CPU: 0, as verl
+        assert 0 < g["perf/cpu_memory_used_gb"] < 1e4
+        for k in ("mean", "max", "min", "clip_ratio"):  # no response is aborted: verl's equal response_length's
+            assert g[f"response_length_non_aborted/{k}"] == g[f"response_length/{k}"]
+

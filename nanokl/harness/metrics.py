@@ -109,7 +109,51 @@ def step_metrics(run, step, out, batch, *, update, entropy, t_step, phases, scor
     m.update(verl_data_metrics(out.attention_mask, rmask, out.prompt_length, d.max_prompt_length))
     m["perf/time_per_step"] = m["timing_s/step"]
     m.update(timing_per_token({**phases, **m}, {"gen": dist.all_reduce(rmask.sum().float()).item(), "all": tokens}))
+    m.update(verl_dashboard_metrics(run, rmask, R))  # added last: every older key keeps its place in the row
     return m
+
+
+def verl_dashboard_metrics(run, response_mask, max_response_length) -> dict:
+    """What verl's dashboards plot that nanokl logged without; reads counters only (no RNG, no computation of
+    the step changes):
+    - critic/lr: the critic optimizer's learning rate after the step's scheduler step (actor/lr likewise, above);
+    - perf/max_memory_allocated_gb, perf/max_memory_reserved_gb: torch.cuda.max_memory_* / 1024**3, the peak
+      since the process started (verl does not reset it either); 0.0 on CPU, as verl logs there. Each is the
+      mean over ranks, as verl's reduce_metrics averages its workers' values;
+    - perf/cpu_memory_used_gb: the machine's used memory, verl's psutil.virtual_memory().used without psutil:
+      psutil's own Linux formula on /proc/meminfo (MemTotal - MemFree - Buffers - Cached - SReclaimable);
+      0.0 where /proc/meminfo is absent. Mean over ranks;
+    - response_length_non_aborted/mean|max|min|clip_ratio: verl's response-length stats over the responses
+      that were not aborted, i.e. of at least one token (verl: response_length == 0 is aborted,
+      response/aborted_ratio). nanokl's rollout never aborts a response (each ends in EOS or at the length
+      limit), so they equal response_length/* unless a response is empty."""
+    m = {}
+    if run.critic_sched is not None:
+        m["critic/lr"] = run.critic_sched.get_last_lr()[0]
+    cuda = run.device.type == "cuda"
+    gb = [torch.cuda.max_memory_allocated(run.device) / 1024 ** 3 if cuda else 0.0,
+          torch.cuda.max_memory_reserved(run.device) / 1024 ** 3 if cuda else 0.0, cpu_memory_used_gb()]
+    gb = dist.all_reduce(torch.tensor(gb, dtype=torch.float64)) / run.world
+    m.update(zip(("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb"),
+                 gb.tolist()))
+    lengths = response_mask.sum(-1).float()
+    kept = lengths > 0
+    add_stats(m, "response_length_non_aborted", lengths, kept)
+    if "response_length_non_aborted/mean" in m:
+        m["response_length_non_aborted/clip_ratio"] = dist.global_stats((lengths == max_response_length).float(),
+                                                                        kept)[0]
+    return m
+
+
+def cpu_memory_used_gb() -> float:
+    """psutil.virtual_memory().used / 1024**3 on Linux, from /proc/meminfo (0.0 where it is absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = {line.split(":")[0]: int(line.split()[1]) for line in f if len(line.split()) >= 2}
+        used = kb["MemTotal"] - kb["MemFree"] - sum(kb.get(k, 0) for k in ("Buffers", "Cached", "SReclaimable"))
+        return (used if used >= 0 else kb["MemTotal"] - kb["MemFree"]) * 1024 / 1024 ** 3
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0.0
 
 
 def verl_data_metrics(attention_mask, response_mask, prompt_width, max_prompt_length) -> dict:
