@@ -120,3 +120,20 @@ def test_verl_dashboard_metrics_are_logged(sft_dir, tmp_path):
         for k in ("mean", "max", "min", "clip_ratio"):  # no response is aborted: verl's equal response_length's
             assert g[f"response_length_non_aborted/{k}"] == g[f"response_length/{k}"]
 
+
+# item 7 ---------------------------------------------------------------------------------------------------------
+
+def test_del_local_ckpt_after_load_resumes(sft_dir, tmp_path):
+    """verl's habit: the key on the resume command (or dropped from it); it changes no number of the run."""
+    key = "trainer.del_local_ckpt_after_load=True"
+    r = launch(args(sft_dir, tmp_path, "trainer.save_freq=2", "trainer.total_training_steps=2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = launch(args(sft_dir, tmp_path, key, "trainer.save_freq=2", "trainer.total_training_steps=3"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "note: trainer.del_local_ckpt_after_load" in r.stderr  # nanokl keeps the checkpoint, and says so
+    assert steps_logged(tmp_path) == [1, 2, 3] and (tmp_path / "global_step_2").is_dir()
+    r = launch(args(sft_dir, tmp_path, key, "trainer.save_freq=2"))  # with the key both times
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = launch(args(sft_dir, tmp_path, "trainer.save_freq=2", "trainer.total_training_steps=6"))  # and without
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert steps_logged(tmp_path) == [1, 2, 3, 4, 5, 6]

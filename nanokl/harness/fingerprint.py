@@ -163,7 +163,8 @@ SPEED_ONLY_KEYS = {"data.val_batch_size", *(f"trainer.{k}" for k in (
     "logger", "project_name", "experiment_name", "save_freq", "test_freq", "total_training_steps", "total_epochs",
     "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep", "log_freq", "log_val_generations", "validation_data_dir",
     "rollout_data_dir", "val_before_train", "val_only", "val_kl_prompts", "n_gpus_per_node", "nnodes", "device",
-    "balance_batch", "profile_steps", "signal_grace_s")), "custom_reward_function.timeout"}
+    "balance_batch", "profile_steps", "signal_grace_s", "del_local_ckpt_after_load")),
+    "custom_reward_function.timeout"}
 MODEL_PATH = "actor_rollout_ref.model.path"
 
 
