@@ -78,7 +78,9 @@ def ppo_step(run: Run, step: int) -> dict:
             whiten_stats=dist.all_reduce_moments, baselines=run.baselines(examples, metrics),
             score_mask=out.response_mask)
 
-    # 6. update: critic first (verl's order), then the actor once critic_warmup has passed
+    # 6. update: critic first (verl's order), then the actor once critic_warmup has passed: verl's
+    #    `critic_warmup <= global_steps`, its global steps counted from 1 (step + 1 here), so critic_warmup=N
+    #    trains the critic alone for N - 1 steps (0 and 1: none)
     update = {}
     if run.critic is not None:
         c = cfg.critic
@@ -88,7 +90,7 @@ def ppo_step(run: Run, step: int) -> dict:
                                            spec=run.specs["critic"], generator=shuffle,
                                            horizon=ro.response_length)
         run.critic_sched.step()
-    if step >= cfg.trainer.critic_warmup:
+    if cfg.trainer.critic_warmup <= step + 1:
         with timer(metrics, "update_actor", device):
             actor_update, first_pass_entropy = workers.update_actor(
                 run.actor, run.actor_opt, batch, a, ro.temperature,

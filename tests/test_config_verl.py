@@ -161,9 +161,7 @@ def test_every_verl_only_field_has_a_note_or_a_rule():
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn="),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
      "actor_rollout_ref.actor.policy_loss.loss_mode must be one of vanilla, gspo, cispo"),
-    ("reward_model.reward_manager=batch", "reward_model.reward_manager must be one of naive, prime, dapo; got "
-     "'batch' (batch calls custom_reward_function once per batch"),
-    ("reward_model.reward_manager=gdpo", "reward_model.reward_manager must be one of naive, prime, dapo"),
+    ("reward_model.reward_manager=gdpo", "reward_model.reward_manager must be one of naive, prime, dapo, batch"),
     ("algorithm.use_pf_ppo=true", "algorithm.use_pf_ppo=True is not supported"),
     ("actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.actor.optim.optimizer must be one of AdamW"),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=0",

@@ -137,3 +137,49 @@ def test_del_local_ckpt_after_load_resumes(sft_dir, tmp_path):
     r = launch(args(sft_dir, tmp_path, "trainer.save_freq=2", "trainer.total_training_steps=6"))  # and without
     assert r.returncode == 0, r.stderr[-3000:]
     assert steps_logged(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+# item 8 ---------------------------------------------------------------------------------------------------------
+
+BATCH_FN = """\
+import json
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0, log=None, short=False):
+    with open(log, "a") as f:
+        f.write(json.dumps([type(solution_strs).__name__, len(solution_strs), len(data_sources), len(ground_truths),
+                            len(extra_infos), bonus]) + "\\n")
+    scores = [{"score": float(s.strip().endswith(str(g))) + bonus, "acc": s.strip().endswith(str(g))}
+              for s, g in zip(solution_strs, ground_truths)]
+    return scores[:-1] if short else scores
+"""
+
+
+def test_batch_reward_manager_calls_once_a_batch_with_reward_kwargs(sft_dir, tmp_path):
+    fn, log = tmp_path / "fn.py", tmp_path / "calls.jsonl"
+    fn.write_text(BATCH_FN)
+    verl = [f"custom_reward_function.path={fn}", "reward_model.reward_manager=batch",
+            "+custom_reward_function.reward_kwargs.bonus=0.5", f"+custom_reward_function.reward_kwargs.log={log}"]
+    r = launch(two_steps(sft_dir, tmp_path / "run", *verl, "trainer.val_before_train=true"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls = [json.loads(line) for line in open(log)]
+    # validation: a call per chunk of val_batch_size (= train_batch_size, 8) of its 16 prompts; then a call a
+    # step, its 8 responses; lists each time, reward_kwargs passed
+    assert calls == [["list", 8, 8, 8, 8, 0.5]] * 4
+    for g in rows(tmp_path / "run")[1:]:
+        assert 0.5 <= g["critic/score/min"] <= g["critic/score/max"] <= 1.5
+    # a list of the wrong length: one line naming the function, a checkpoint, exit 1
+    r = launch(args(sft_dir, tmp_path / "short", *verl, "+custom_reward_function.reward_kwargs.short=true"))
+    assert r.returncode == 1
+    assert f"custom_reward_function compute_score ({fn}) returned [" in r.stderr
+    assert "it returns a list of 8 scores" in r.stderr
+
+
+def test_critic_warmup_counts_as_verls_global_steps(sft_dir, tmp_path):
+    """verl updates the actor when critic_warmup <= global_steps, counted from 1: critic_warmup=1 trains the actor
+    from step 1, critic_warmup=2 from step 2."""
+    for warmup, first in ((1, 1), (2, 2)):
+        run_dir = tmp_path / str(warmup)
+        r = launch(two_steps(sft_dir, run_dir, "algorithm.adv_estimator=gae", f"trainer.critic_warmup={warmup}"))
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = rows(run_dir)
+        assert [g["training/global_step"] for g in got if "timing_s/update_actor" in g] == list(range(first, 3))
+        assert all("timing_s/update_critic" in g for g in got)

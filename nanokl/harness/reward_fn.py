@@ -10,9 +10,15 @@ and a *reward manager* is the loop around it. verl's `naive` manager
 (verl/workers/reward_manager/naive.py) takes the responses one by one: decode the response's
 tokens (special tokens skipped), call the function with the row's data_source, its
 `reward_model.ground_truth` and its `extra_info`, and put the returned score on the response's
-last token; every other token gets 0 (nanokl/rewards.py: `token_level_scores`). nanokl has that
-manager only (`reward_model.reward_manager=naive`); verl's batched and prime managers differ in
-how they parallelise the calls, not in what a score means.
+last token; every other token gets 0 (nanokl/rewards.py: `token_level_scores`). verl's prime and dapo
+managers call the function the same way (prime in a process pool: the same scores). verl's `batch`
+manager (verl/workers/reward_manager/batch.py) calls a custom function ONCE for the batch, with lists:
+`fn(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...])`, and reads the list
+it returns, a number or verl's dict per response, in order (`batched`; a list of another length is a
+fault); nanokl does the same in training and validation (a chunk of val_batch_size prompts a call). Without
+a custom function the batch manager scores with the task's rule, one response at a time (the same scores).
+`custom_reward_function.reward_kwargs` (a dict) are passed to the custom function as keyword arguments on
+every call, as verl's get_custom_reward_fn wraps it.
 
 Which function (`scorer`), in this order:
   1. `custom_reward_function.path` and `.name`: the user's function, imported from that one file
@@ -39,7 +45,8 @@ the fault itself would lose them:
     which would surface steps later as a "non-finite loss";
   - a custom function's call still running after custom_reward_function.timeout seconds (300 by
     default; null or <= 0: none), which would hang the run for ever: SIGALRM stops it where it is
-    (harness/call_limit.py; each batch's calls under one handler, ~2 us a call).
+    (harness/call_limit.py; each batch's calls under one handler, ~2 us a call). Under the batch manager
+    the limit bounds its one call for the batch.
 Under torchrun every rank stops together (`agree`). A ground truth the task's rule cannot read is
 refused before that, when the data load (`check_truths`).
 
@@ -221,16 +228,23 @@ def scorer(cfg):
     method, custom = cfg.reward_model.score_method, _custom(cfg)
     if custom is not None:
         fn, limit = load_custom(*custom), cfg.custom_reward_function.timeout
+        kwargs = dict(cfg.custom_reward_function.reward_kwargs or {})  # verl's functools.partial-like wrap
 
-        def score(text, ex):
+        def limited(**given):
             try:  # a call past the limit is stopped where it is (harness/call_limit.py: SIGALRM)
-                out = call_limit.within(limit, fn, data_source=ex["data_source"], solution_str=text,
-                                        ground_truth=ex["ground_truth"], extra_info=ex.get("extra_info", {}))
+                return call_limit.within(limit, fn, **given, **kwargs)
             except call_limit.Expired:
                 raise _Refused(f"did not return within {limit:g} s", f"custom_reward_function.timeout={limit:g} "
                                "bounds each call (raise it, or null: no limit)") from None
-            return reward_value(out)
+
+        def score(text, ex):
+            return reward_value(limited(data_source=ex["data_source"], solution_str=text,
+                                        ground_truth=ex["ground_truth"], extra_info=ex.get("extra_info", {})))
         score.what = f"custom_reward_function {custom[1]} ({custom[0]})"
+        if cfg.reward_model.reward_manager == "batch":  # verl's BatchRewardManager: one call, lists (`batched`)
+            score.batch = lambda texts, exs: limited(
+                data_sources=[ex["data_source"] for ex in exs], solution_strs=list(texts),
+                ground_truths=[ex["ground_truth"] for ex in exs], extra_infos=[ex.get("extra_info", {}) for ex in exs])
         return score
     task = get_task(cfg.data.task)  # data.task None: the row's data_source picks (tasks/by_source.py)
 
@@ -335,10 +349,45 @@ def naive(score, texts, examples) -> list[float]:
                 for i, (text, ex) in enumerate(zip(texts, examples))]
 
 
+def batched(score, texts, examples, which=None) -> list[float]:
+    """verl's batch reward manager: the custom function (score.batch) called once with the lists of the rows
+    that have a ground truth; each value it returned read as `call` reads one (a number or verl's dict, finite
+    in float32), errors naming the function and the response. A row without a ground truth gets nan, as in
+    `naive`; a scorer without `batch` (a task's rule) is the naive loop. `which` names each response."""
+    which = which or [f"response {i} of the batch" for i in range(len(texts))]
+    fn = getattr(score, "batch", None)
+    if fn is None:
+        with call_limit.handler():
+            return [call(score, t, ex, w) if "ground_truth" in ex else float("nan")
+                    for t, ex, w in zip(texts, examples, which)]
+    keep = [i for i, ex in enumerate(examples) if "ground_truth" in ex]
+    what, rows = named(score), f"the batch of {len(keep)} responses"
+    try:
+        with call_limit.handler():
+            outs = fn([texts[i] for i in keep], [examples[i] for i in keep]) if keep else []
+    except _Refused as e:
+        returned, why = e.args
+        raise RewardError(f"{what} {returned} for {rows}: {why}") from None
+    except Exception as e:  # the user's code: what broke, on one line
+        raise RewardError(f"{what} raised {type(e).__name__}: {' '.join(str(e).split())} for {rows}") from None
+    except SystemExit as e:
+        raise RewardError(f"{what} raised SystemExit (exit status {e.code!r}) for {rows}: a reward function "
+                          "must return its scores, not end the process") from None
+    if isinstance(outs, (str, bytes, dict)) or not hasattr(outs, "__len__") or len(outs) != len(keep):
+        raise RewardError(f"{what} returned {_shown(outs)} for {rows}: under reward_model.reward_manager=batch "
+                          f"it returns a list of {len(keep)} scores (a number or a dict with 'score' each), in order")
+    rewards = [float("nan")] * len(texts)
+    for i, out in zip(keep, list(outs)):
+        given = lambda _text, _ex, out=out: reward_value(out)  # noqa: E731 (`call` reads it, naming the row)
+        given.what = what
+        rewards[i] = call(given, texts[i], examples[i], which[i])
+    return rewards
+
+
 # reward_model.reward_manager -> its loop. verl's `prime` calls the same function on the same
 # responses, only in parallel processes: the same scores, so it is the naive loop here
-# verl's reward_manager names nanokl takes (config/verl_keys.py): each scores one response at a time
-MANAGERS = dict.fromkeys(REWARD_MANAGERS, naive)
+# verl's reward_manager names nanokl takes (config/verl_keys.py): each scores one response at a time, but batch
+MANAGERS = {**dict.fromkeys(REWARD_MANAGERS, naive), "batch": batched}
 
 
 def manager(cfg):

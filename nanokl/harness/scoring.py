@@ -174,8 +174,11 @@ def _validate_chunks(model, tok, mine, cfg, device, score, answer, sources, tota
                      generator=gen)
         texts = tok.batch_decode(out.responses, out.response_mask)
         which = [f"validation response {i * vk.n + j} of this rank" for j in range(len(texts))]
-        with call_limit.handler():  # as reward_fn.naive: SIGALRM's handler once for the chunk's calls
-            rewards = [reward_fn.call(score, text, chunk[j // vk.n], which[j]) for j, text in enumerate(texts)]
+        if getattr(score, "batch", None) is not None:  # reward_manager=batch: one call for the chunk (reward_fn.batched)
+            rewards = reward_fn.batched(score, texts, [chunk[j // vk.n] for j in range(len(texts))], which)
+        else:
+            with call_limit.handler():  # as reward_fn.naive: SIGALRM's handler once for the chunk's calls
+                rewards = [reward_fn.call(score, text, chunk[j // vk.n], which[j]) for j, text in enumerate(texts)]
         # DAPO's overlong penalty shapes the reward in validation too, as verl's reward manager adds it there
         # (acc and a dict's score stay unshaped)
         shaping = [0.0] * len(texts) if not ob.enable else overlong_penalty(

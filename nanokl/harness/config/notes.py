@@ -117,7 +117,8 @@ VERL_NOTES = {
     _RM + "rollout": "nanokl's reward model is a sequence classifier (no generative reward model)",
     _RM + "reward_manager": "nanokl calls the scorer once per response in the trainer process, as verl's naive "
                             "manager (prime: the same scores, without its process pool; dapo: the same, with "
-                            "reward_kwargs' overlong penalty)",
+                            "reward_kwargs' overlong penalty; batch: a custom function once per batch, with lists, "
+                            "as verl's)",
     "reward_manager": "nanokl's reward manager is reward_model.reward_manager",
     "algorithm.pf_ppo": _UNUSED.format("algorithm.use_pf_ppo"),
     _RM + "overlong_buffer.log": "nanokl logs critic/overlong_penalty/* and critic/overlong_fraction whenever "

@@ -352,7 +352,7 @@ class TrainerConfig(VerlTrainerKeys):
     save_freq: int = -1  # checkpoint every this many steps and at the end; -1: never (a preemption still saves), as verl
     test_freq: int = -1  # validate every this many steps; -1: never during training
     val_before_train: bool = True  # validate once before the first step
-    critic_warmup: int = 0  # steps training only the critic before the actor moves
+    critic_warmup: int = 0  # the actor updates from global step critic_warmup on (verl's critic_warmup <= global_steps)
     # where checkpoints and logs go: one run per folder (a lock, nanokl/harness/run_state.py). verl's default;
     # ${trainer.project_name} and ${trainer.experiment_name} are filled in when the config is built
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
@@ -397,6 +397,8 @@ class CustomRewardFunctionConfig:  # verl's custom_reward_function, and a time l
     # call_limit.py); null or <= 0: no limit. 300, as verl's prime manager allows a response: room for a grader that
     # runs code or asks a server, where a hung one would hold the GPUs for ever
     timeout: Optional[float] = 300.0
+    # verl's: keyword arguments passed to the function on every call (`+custom_reward_function.reward_kwargs.x=1`)
+    reward_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass

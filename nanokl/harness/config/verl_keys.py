@@ -294,7 +294,8 @@ _VERL_REFUSED = [
     ("algorithm.rollout_correction.rollout_is_batch_normalize", lambda v: v, "nanokl's weights are min(pi_old/mu, C)"),
 ]
 # naive: one score per response; prime: the same, in a process pool; dapo: the same, + reward_kwargs' overlong penalty
-REWARD_MANAGERS = ("naive", "prime", "dapo")
+# batch: the custom function once per batch, with lists (harness/reward_fn.py `batched`)
+REWARD_MANAGERS = ("naive", "prime", "dapo", "batch")
 
 # model.override_config (verl: entries replacing config.json's; hf_format.read_config applies them). The fields
 # nanokl's model reads and that may change without the weights changing shape are applied; these keep nanokl's
@@ -342,11 +343,8 @@ def check_verl_keys(cfg):
                               f"min_lr_ratio), got {opt.num_cycles!r}", keys=key + ".num_cycles")
     rm, RK = cfg.reward_model, "reward_model.reward_kwargs."
     if rm.reward_manager not in REWARD_MANAGERS:
-        why = ("batch calls custom_reward_function once per batch, with lists (data_sources, solution_strs, ...); "
-               "nanokl calls compute_score once per response, as naive" if rm.reward_manager == "batch" else
-               "nanokl cannot give its scores")
         raise ConfigError(f"reward_model.reward_manager must be one of {', '.join(REWARD_MANAGERS)}; got "
-                          f"{rm.reward_manager!r} ({why})", keys="reward_model.reward_manager")
+                          f"{rm.reward_manager!r} (nanokl cannot give its scores)", keys="reward_model.reward_manager")
     ob, kw, R = rm.overlong_buffer, rm.reward_kwargs, cfg.actor_rollout_ref.rollout.response_length
     if ob != kw.overlong_buffer_cfg != type(ob)():  # (resolve copies the latter when the former is unset)
         raise ConfigError(f"set only one of reward_model.overlong_buffer (the DAPO recipe's) and "
