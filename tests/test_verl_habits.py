@@ -183,3 +183,15 @@ def test_critic_warmup_counts_as_verls_global_steps(sft_dir, tmp_path):
         got = rows(run_dir)
         assert [g["training/global_step"] for g in got if "timing_s/update_actor" in g] == list(range(first, 3))
         assert all("timing_s/update_critic" in g for g in got)
+
+
+def test_max_critic_ckpt_to_keep_rotates_the_folders_with_a_critic(sft_dir, tmp_path):
+    """A folder holds actor and critic: the larger limit of those set keeps it, with the start-up note saying so."""
+    def kept(run_dir, *extra):
+        r = launch(args(sft_dir, run_dir, "algorithm.adv_estimator=gae", "trainer.save_freq=1", *extra))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "note: trainer.max_critic_ckpt_to_keep" in r.stderr and "the larger" in r.stderr
+        return sorted(p.name for p in Path(run_dir).glob("global_step_*"))
+    assert kept(tmp_path / "a", "trainer.max_critic_ckpt_to_keep=2") == ["global_step_3", "global_step_4"]
+    assert kept(tmp_path / "b", "trainer.max_critic_ckpt_to_keep=3", "trainer.max_actor_ckpt_to_keep=1") == \
+        ["global_step_2", "global_step_3", "global_step_4"]

@@ -109,7 +109,8 @@ def save(run, step, healthy=True, before_commit=None) -> Path:
     if run.rank == 0:
         try:
             path = save_checkpoint(run.run_dir, step, weights, optim, state, tokenizer=run.tok,
-                                   keep=run.cfg.trainer.max_actor_ckpt_to_keep, record=getattr(run, "record", None),
+                                   keep=checkpoints_to_keep(run.cfg.trainer, run.critic is not None),
+                                   record=getattr(run, "record", None),
                                    before_commit=before_commit, extra=lora_run.adapter_writer(run.actor))
         except CheckpointWriteError as e:
             failed = str(e)
@@ -119,6 +120,15 @@ def save(run, step, healthy=True, before_commit=None) -> Path:
     if run.rank != 0 and before_commit is not None:  # rank 0 called it; elsewhere it logs nothing
         before_commit()
     return path
+
+
+def checkpoints_to_keep(trainer, critic: bool):
+    """How many global_step_* folders save keeps (None or 0: all). A folder holds the actor and the critic together,
+    so it goes only when neither limit keeps it: the larger of max_actor_ckpt_to_keep and, with a critic,
+    max_critic_ckpt_to_keep, of those set (verl rotates each alone; a start-up note says so, config/notes.py)."""
+    critic_keep = getattr(trainer, "max_critic_ckpt_to_keep", None) if critic else None
+    limits = [n for n in (trainer.max_actor_ckpt_to_keep, critic_keep) if n]
+    return max(limits) if limits else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -127,7 +127,9 @@ VERL_NOTES = {
     _T + "esi_redundant_time": "nanokl saves a checkpoint on SIGTERM / SIGUSR1 instead (nanokl/harness/faults.py)",
     _T + "default_hdfs_dir": "nanokl saves under trainer.default_local_dir only",
     _T + "del_local_ckpt_after_load": "nanokl keeps the checkpoint it resumed from",
-    _T + "max_critic_ckpt_to_keep": "nanokl's checkpoints hold actor and critic together: max_actor_ckpt_to_keep counts",
+    _T + "max_critic_ckpt_to_keep": "nanokl's checkpoints hold actor and critic together: with a critic, the larger "
+                                    "of max_actor_ckpt_to_keep and max_critic_ckpt_to_keep that are set counts the "
+                                    "folders kept (without one, max_actor_ckpt_to_keep alone)",
     **dict.fromkeys([_T + "ray_wait_register_center_timeout", _T + "use_legacy_worker_impl", "ray_kwargs", "ray_init",
                      "transfer_queue"], _RAY),
 }
