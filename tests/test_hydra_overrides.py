@@ -66,7 +66,7 @@ def test_tilde_deletes_a_key_back_to_nanokls_default(tmp_path):
     assert cfg.data.train_batch_size == Config().data.train_batch_size == 1024
     assert cfg.actor_rollout_ref.model.override_config == {"max_position_embeddings": 64}
     # a whole section, and a key already at its default
-    assert load_config(path, ["~trainer"]).trainer.project_name == "nanokl"
+    assert load_config(path, ["~trainer"]).trainer.project_name == "verl_examples"  # verl's default
     assert load_config(None, ["~trainer.seed"]) == load_config(None)
 
 
@@ -95,7 +95,7 @@ def test_interpolation_against_the_final_config_in_any_order():
     assert cfg.data.val_batch_size == 1024 and type(cfg.data.val_batch_size) is int  # the value, typed
     # a default that is itself an interpolation resolves against the run's own names
     assert load_config(None, ["trainer.project_name=q", "trainer.rollout_data_dir=${trainer.default_local_dir}"]) \
-        .trainer.rollout_data_dir == "checkpoints/q/default"
+        .trainer.rollout_data_dir == "checkpoints/q/gsm8k"
     assert load_config(None, [r"trainer.project_name=a\${b}"]).trainer.project_name == "a${b}"  # escaped
 
 
@@ -141,7 +141,7 @@ def test_tilde_in_every_path_is_the_users_home(monkeypatch, tmp_path):
     h = str(tmp_path)
     assert cfg.data.train_files == [f"{h}/gsm8k/train.parquet"] and cfg.data.val_files == [f"{h}/gsm8k/test.parquet", "/x"]
     assert cfg.actor_rollout_ref.model.path == cfg.actor_rollout_ref.model.tokenizer_path == f"{h}/models/q"
-    assert cfg.critic.model.path == f"{h}/models/c" and cfg.trainer.default_local_dir == f"{h}/ckpt/nanokl"
+    assert cfg.critic.model.path == f"{h}/models/c" and cfg.trainer.default_local_dir == f"{h}/ckpt/verl_examples"
     assert cfg.custom_reward_function.path == f"{h}/rf.py" and cfg.reward_model.model.path == f"{h}/rm"
     assert cfg.data.offline_files == [f"{h}/logged.jsonl"] and cfg.trainer.resume_from_path.startswith(h)
     assert load_config(None, ["data.prompt_key=~x"]).data.prompt_key == "~x"  # not a path: kept

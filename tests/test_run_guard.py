@@ -175,7 +175,7 @@ def test_a_checkpoint_without_a_record_resumes_with_a_note(sft_dir, two_steps, c
 def test_default_folder_is_verls(tmp_path):
     from nanokl.harness.config.load import load_config, parse_cli
     verl = parse_cli(["data.train_files=x.parquet", "actor_rollout_ref.model.path=m"])
-    assert verl.trainer.default_local_dir == "checkpoints/nanokl/default"
+    assert verl.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # verl's project/experiment
     named = parse_cli(["data.train_files=x.parquet", "actor_rollout_ref.model.path=m", "trainer.project_name=p",
                        "trainer.experiment_name=e"])
     assert named.trainer.default_local_dir == "checkpoints/p/e"

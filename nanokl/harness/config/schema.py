@@ -337,8 +337,8 @@ class AlgorithmConfig(VerlAlgorithmKeys):
 
 @dataclass
 class TrainerConfig(VerlTrainerKeys):
-    project_name: str = "nanokl"  # groups runs in the logger
-    experiment_name: str = "default"  # this run's name in the logger
+    project_name: str = "verl_examples"  # groups runs in the logger (verl's default; configs/ name "nanokl")
+    experiment_name: str = "gsm8k"  # this run's name in the logger (verl's default)
     # where metrics go: one name (verl's `trainer.logger=console`) or a list of them
     logger: Union[Logger, list[Logger]] = field(default_factory=lambda: ["console"])
     n_gpus_per_node: Optional[int] = None  # verl: 8; None -> torchrun's; when set, x nnodes must be the world size
