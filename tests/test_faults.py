@@ -157,6 +157,8 @@ def tensor_bytes_on_disk(ckpt) -> int:
     """The tensor bytes of a written checkpoint, counted from its files (the reference for the estimate)."""
     total = 0
     for f in ckpt.rglob("*.safetensors"):
+        if "huggingface" in f.relative_to(ckpt).parts:  # hard links (checkpoint.hf_view): no bytes of their own
+            continue
         total += sum(t.numel() * t.element_size() for t in load_file(f).values())
 
     def walk(x):

@@ -6,7 +6,9 @@ A PPO run is a long loop whose state is more than the weights. To continue a run
 never stopped, a checkpoint holds everything the next step reads:
 
     actor/, critic/         Hugging Face-format weights (config.json + model.safetensors, and the
-                            tokenizer beside the actor), loadable by `transformers` and generate.py
+                            tokenizer beside the actor), loadable by `transformers` and generate.py;
+                            actor/huggingface/ (critic/huggingface/): verl's HF folder, hard links to
+                            those files (hf_view), what `python -m nanokl.harness.model_merger` reads
     optim.pt                optimizer and LR-scheduler states (AdamW's moments, the step count),
                             full and keyed by parameter name; under torchrun only rank 0 reads it
     trainer_state.pt        global step, the KL controller's beta, and every RNG state (torch CPU,
@@ -73,18 +75,31 @@ def _sha256(path) -> str:
     return h.hexdigest()
 
 
+def _hasher():
+    """_sha256 that reads each file once: a hard link (actor/huggingface/'s) has its target's digest."""
+    seen = {}
+
+    def digest(path):
+        st = path.stat()
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in seen:
+            seen[key] = _sha256(path)
+        return seen[key]
+    return digest
+
+
 def write_manifest(ckpt):
     """Every file under `ckpt` (but the manifest) -> its size and SHA-256, written to manifest.json."""
-    ckpt = Path(ckpt)
+    ckpt, digest = Path(ckpt), _hasher()
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    entries = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": digest(p)} for p in files}
     (ckpt / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
 
 
 def verify_checkpoint(ckpt) -> str | None:
     """None when every file of the manifest is there with its size and SHA-256; else what is wrong,
     naming the file."""
-    ckpt = Path(ckpt)
+    ckpt, digest = Path(ckpt), _hasher()
     try:
         entries = json.loads((ckpt / MANIFEST).read_text())["files"]
         assert isinstance(entries, dict)
@@ -92,17 +107,18 @@ def verify_checkpoint(ckpt) -> str | None:
         return f"{ckpt / MANIFEST}: missing"
     except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
         return f"{ckpt / MANIFEST}: unreadable"
-    for name, want in entries.items():
+    # the files resume reads first, so that a bad weights file is named where it is read, not by its link
+    for name, want in sorted(entries.items(), key=lambda kv: "huggingface/" in kv[0]):
         path = ckpt / name
         if not path.is_file():
             return f"{path}: missing"
         try:
-            size, digest = want["size"], want["sha256"]
+            size, want_digest = want["size"], want["sha256"]
         except (KeyError, TypeError):
             return f"{ckpt / MANIFEST}: unreadable entry for {name}"
         if path.stat().st_size != size:
             return f"{path}: {path.stat().st_size} bytes, the manifest says {size}"
-        if _sha256(path) != digest:
+        if digest(path) != want_digest:
             return f"{path}: SHA-256 differs from the manifest"
     return None
 
@@ -161,6 +177,8 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
             tokenizer.save(tmp / "actor")
         if extra is not None:
             extra(tmp)
+        for name in models:
+            hf_view(tmp / name)
         torch.save(optim_state, tmp / "optim.pt")
         torch.save({**trainer_state, "global_step": step}, tmp / "trainer_state.pt")
         if record is not None:
@@ -201,6 +219,27 @@ def save_checkpoint(run_dir, step, models: dict, optim_state: dict, trainer_stat
         except OSError:
             pass
     return final
+
+
+def hf_view(folder):
+    """`folder`/huggingface/: verl's FSDP checkpoint manager writes `global_step_N/actor/huggingface/` (the HF
+    config and tokenizer; the weights too when checkpoint.save_contents has hf_model), and scripts read it
+    there. nanokl's actor/ (critic/) is already that HF folder (under LoRA the merged export), so huggingface/
+    holds hard links to its files (config.json, model.safetensors, the tokenizer's): no second copy of the
+    weights. Where a hard link is refused (a file system without them) the small files are copied and the
+    weights left out. LoRA's adapter files stay in actor/ alone; resume never reads huggingface/, and the
+    manifest covers it (a hard link is hashed once)."""
+    folder = Path(folder)
+    view = folder / "huggingface"
+    view.mkdir(exist_ok=True)
+    for f in sorted(folder.iterdir()):
+        if not f.is_file() or f.name.startswith("lora_adapters"):
+            continue
+        try:
+            os.link(f, view / f.name)
+        except OSError:
+            if f.suffix != ".safetensors":  # a copy of the small files only, never of the weights
+                shutil.copy2(f, view / f.name)
 
 
 def checkpoint_dir(run_dir, step) -> Path:
