@@ -24,6 +24,24 @@ each row's responses by the synthetic preference of nanokl/supervised/preference
 stable sort: equal keys keep sampling order); with a .jsonl source name the task: `--rank TASK`.
 Rows left with fewer than two responses are then skipped, so a ranked file is DPO-ready.
 
+verl's main_generation habits (its config/generation.yaml keys, `key=value`, mixed freely with the flags):
+
+    python generate.py model.path=DIR data.path=test.parquet data.n_samples=4 data.output_path=gen.parquet \
+        rollout.temperature=0.7 rollout.response_length=256
+
+`data.path` is a verl row file (.parquet, .jsonl, .json: nanokl/tasks/rows.py's `read_rows`, as
+train_ppo reads data.train_files) whose `data.prompt_key` column (default "prompt") is a chat message
+list or a string; a .txt is one prompt per line, as --prompts. Every prompt is written as training wrote
+it (nanokl/harness/data.py's `prompt_text`): a chat list through the model's own chat template (Qwen's
+default system turn kept), a string in --template (default plain). `data.output_path` writes verl's
+output: each source row with a `responses` column of n_samples texts (every sample, none dropped), as
+Parquet when the name ends in .parquet and pyarrow is installed, else as JSONL (beside it, `.jsonl`, with
+a note saying so). Keys and their flags: model.path=--model, data.path=--prompts, data.n_samples=--n,
+data.batch_size=--batch-size, rollout.temperature / top_k / top_p = --temperature / --top-k / --top-p,
+rollout.do_sample=false = temperature 0, rollout.response_length=--max-new-tokens, rollout.prompt_length
+(a longer prompt is refused in one line naming it). verl's keys that change nothing here (the engine,
+the GPUs, memory) are listed in a start-up note; any other key is refused in one line.
+
 Refused in one line (exit 2) before the model loads: --n, --batch-size, --max-new-tokens below 1; no
 prompts, or an empty one (0 tokens once templated: `file:line` for a --prompts file); a prompt plus
 --max-new-tokens past the model's max_position_embeddings (config.json). Without --max-new-tokens a
@@ -41,14 +59,16 @@ tests/test_generate.py checks the logged log-probs against a teacher-forced reco
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from nanokl.harness.config.yaml_io import UserError, run_cli
-from nanokl.tasks.rows import DataError, Located, _chat_prompt, where_of
+from nanokl.harness.config.yaml_io import ConfigError, UserError, parse_override, run_cli
+from nanokl.tasks.rows import DataError, Located, _chat_prompt, read_rows, where_of
+from nanokl.harness.data import prompt_text
 from nanokl.harness.faults import check_writable
 from nanokl.harness.hf_format import from_pretrained, read_config
 from nanokl.rollout import generate
@@ -58,29 +78,112 @@ PASSED_THROUGH = ("ground_truth", "data_source", "reward_model")  # what the tas
 MAX_NEW_TOKENS = 128  # --max-new-tokens by default, or what the model's positions leave after the longest prompt
 
 
-def read_prompts(path):
-    """Example dicts {"prompt", ...}: a .jsonl row keeps its ground_truth / data_source / reward_model."""
+def read_prompts(path, prompt_key="prompt"):
+    """Example dicts {"prompt", ...}: a .txt line each, or a row each of a .jsonl / .json / .parquet file
+    (nanokl/tasks/rows.py's reader, as training reads data.train_files), which keeps its ground_truth /
+    data_source / reward_model, its chat `messages` (rendered as training renders them) and the row itself
+    (`source_row`, for data.output_path)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"prompts file {str(path)!r} does not exist")
-    lines = [(i, ln) for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]  # numbered as in the file
-    if path.suffix != ".jsonl":
-        return [Located({"prompt": ln}, f"{path}:{i}") for i, ln in lines]
-    examples = []
-    for i, ln in lines:
+    if path.suffix.lower() not in (".jsonl", ".json", ".parquet"):
         try:
-            row = json.loads(ln)
-            ex = {"prompt": row["prompt"] if "prompt" in row else row["question"]}
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{path}:{i}: expected a JSON object with a 'prompt' or 'question' field") from None
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}: not a text file of prompts, one per line (byte {e.object[e.start]:#04x} is "
+                            "not UTF-8); give verl rows as .parquet, .jsonl or .json") from None
+        lines = [(i, ln) for i, ln in enumerate(text.splitlines(), 1) if ln.strip()]  # numbered as in the file
+        return [Located({"prompt": ln, "source_row": {"prompt": ln}}, f"{path}:{i}") for i, ln in lines]
+    examples = []
+    for where, row in read_rows(path):
+        if not isinstance(row, dict) or not (prompt_key in row or (prompt_key == "prompt" and "question" in row)):
+            raise DataError(f"{where}: expected a row (JSON object) with a {prompt_key!r}"
+                            + (" or 'question'" if prompt_key == "prompt" else "") + " field")
+        ex = {"prompt": row[prompt_key] if prompt_key in row else row["question"]}
         if isinstance(ex["prompt"], list):
-            ex["prompt"], system = _chat_prompt(ex["prompt"], f"{path}:{i}")
+            ex["messages"] = [dict(m) for m in ex["prompt"]]
+            ex["prompt"], system = _chat_prompt(ex["prompt"], where)
             if system is not None:
                 ex["system_prompt"] = system
         if not isinstance(ex["prompt"], str):
-            raise DataError(f"{path}:{i}: the prompt must be a string or a list of chat messages")
-        examples.append(Located(ex | {k: row[k] for k in PASSED_THROUGH if k in row}, f"{path}:{i}"))
+            raise DataError(f"{where}: the prompt must be a string or a list of chat messages")
+        ex["source_row"] = row
+        examples.append(Located(ex | {k: row[k] for k in PASSED_THROUGH if k in row}, where))
     return examples
+
+
+# verl's main_generation keys (config/generation.yaml) and the flag each one sets
+VERL_KEYS = {"model.path": "model", "data.path": "prompts", "data.prompt_key": "prompt_key",
+             "data.n_samples": "n", "data.output_path": "output_path", "data.batch_size": "batch_size",
+             "rollout.temperature": "temperature", "rollout.top_k": "top_k", "rollout.top_p": "top_p",
+             "rollout.response_length": "max_new_tokens", "rollout.prompt_length": "prompt_length",
+             "rollout.do_sample": "do_sample"}
+# verl's generation keys that choose the engine, the GPUs or memory: no effect on the samples here
+VERL_NOTED = ("trainer.nnodes", "trainer.n_gpus_per_node", "model.external_lib", "model.trust_remote_code",
+              "data.trust_remote_code", "rollout.name", "rollout.mode", "rollout.dtype",
+              "rollout.gpu_memory_utilization", "rollout.ignore_eos", "rollout.enforce_eager",
+              "rollout.free_cache_engine", "rollout.load_format", "rollout.tensor_model_parallel_size",
+              "rollout.max_num_batched_tokens", "rollout.max_num_seqs", "rollout.log_prob_micro_batch_size",
+              "rollout.log_prob_micro_batch_size_per_gpu", "rollout.micro_batch_size", "rollout.enable_chunked_prefill",
+              "rollout.disable_log_stats", "rollout.max_model_len", "rollout.seed", "ray_init.num_cpus",
+              "ray_kwargs.ray_init.num_cpus")
+VERL_INT = ("data.n_samples", "data.batch_size", "rollout.top_k", "rollout.response_length", "rollout.prompt_length")
+
+
+def split_verl_keys(argv):
+    """(the flags, {flag name: value} of verl's key=value arguments, [verl keys noted as not acted on])."""
+    flags, values, noted = [], {}, []
+    for arg in argv:
+        takes_value = bool(flags) and flags[-1].startswith("--") and "=" not in flags[-1] and flags[-1] != "--rank"
+        if takes_value or arg.startswith("-") or not re.match(r"^\+{0,2}[A-Za-z_]\w*(\.\w+)+=", arg):
+            flags.append(arg)  # a flag, or a flag's value (--prompt "a.b=c" is a prompt)
+            continue
+        try:
+            _, parts, value = parse_override(arg)
+        except ConfigError as e:
+            raise UserError(str(e)) from None
+        key = ".".join(parts)
+        if key.startswith("actor_rollout_ref."):  # verl's trainer spelling of the same keys
+            key = key[len("actor_rollout_ref."):]
+        if key in VERL_NOTED:
+            noted.append(key)
+            continue
+        if key not in VERL_KEYS:
+            raise UserError(f"{arg}: not a key of verl's main_generation that generate.py reads (it reads "
+                            f"{', '.join(VERL_KEYS)}; notes {', '.join(VERL_NOTED)})")
+        if key in VERL_INT and (not isinstance(value, int) or isinstance(value, bool)):
+            raise UserError(f"{key}={value!r}: must be an integer")
+        if key in ("rollout.temperature", "rollout.top_p") and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise UserError(f"{key}={value!r}: must be a number")
+        if key == "rollout.do_sample" and not isinstance(value, bool):
+            raise UserError(f"{key}={value!r}: must be true or false")
+        if key in ("model.path", "data.path", "data.output_path", "data.prompt_key"):
+            if not isinstance(value, str) or not value:
+                raise UserError(f"{key}={value!r}: must be a path" if key != "data.prompt_key" else
+                                f"{key}={value!r}: must be a column name")
+        values[VERL_KEYS[key]] = value
+    return flags, values, noted
+
+
+def write_verl_output(path, examples, responses):
+    """verl's main_generation output: each source row plus `responses` (its n_samples texts); Parquet when
+    `path` ends in .parquet and pyarrow is installed, else JSONL (beside it, with a note). The path written."""
+    rows = [{**ex.get("source_row", {"prompt": ex["prompt"]}), "responses": r} for ex, r in zip(examples, responses)]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # as verl's makedirs
+    if path.suffix.lower() == ".parquet":
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            path = path.with_suffix(".jsonl")
+            print(f"note: pyarrow is not installed (pip install pyarrow): data.output_path written as JSONL, to "
+                  f"{path}", file=sys.stderr)
+        else:
+            pq.write_table(pa.Table.from_pylist(rows), path)
+            return path
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
 
 
 def task_examples(args):
@@ -140,10 +243,11 @@ def check_lengths(args, examples, lengths, model_kw, source) -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="directory with config.json, model.safetensors, tokenizer.json")
-    src = ap.add_mutually_exclusive_group(required=True)
+    ap.add_argument("--model", help="directory with config.json, model.safetensors, tokenizer.json (verl: model.path=)")
+    src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="one prompt")
-    src.add_argument("--prompts", help="a .txt (one prompt per line) or .jsonl file")
+    src.add_argument("--prompts", help="a .txt (one prompt per line), or a .jsonl / .json / .parquet file of verl rows "
+                                       "(verl: data.path=)")
     src.add_argument("--task", help="a built-in task (nanokl/tasks/): its first --num-prompts training problems")
     ap.add_argument("--num-prompts", type=int, help="with --task (default: the config's data.num_train)")
     ap.add_argument("--config", help="with --task: the YAML config whose data section makes the problems")
@@ -161,7 +265,24 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
+    flags, verl, noted = split_verl_keys(sys.argv[1:] if argv is None else list(argv))
+    args = ap.parse_args(flags)
+    if "prompts" in verl and (args.prompt is not None or args.task is not None):
+        raise UserError("data.path= is the prompts' source: not with --prompt or --task")
+    if "output_path" in verl and args.out is not None:
+        raise UserError("data.output_path= and --out each name the output: give one")
+    args.prompt_key, args.output_path, args.prompt_length = "prompt", None, None
+    if verl.pop("do_sample", True) is False:
+        verl["temperature"] = 0.0
+    for name, value in verl.items():
+        setattr(args, name, value)
+    if args.model is None:
+        raise UserError("no model: give --model DIR (verl: model.path=DIR)")
+    if args.prompt is None and args.prompts is None and args.task is None:
+        raise UserError("no prompts: give --prompt, --prompts FILE (verl: data.path=FILE) or --task NAME")
+    if noted:
+        print(f"note: not acted on by generate.py (the engine, GPUs and memory; no effect on the samples): "
+              f"{', '.join(noted)}", file=sys.stderr)
     for flag, value in (("--n", args.n), ("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens),
                         ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
@@ -174,12 +295,14 @@ def main(argv=None):
         raise UserError(f"--out {args.out!r}: the logged-response file must end in .jsonl")
     if args.out is not None:  # one line now, not a traceback once the model has loaded
         check_writable(Path(args.out).parent, "--out")
+    if args.output_path is not None:
+        check_writable(Path(args.output_path).parent, "data.output_path")
 
     task = None
     if args.task is not None:
         examples, task = task_examples(args)
     else:
-        examples = [{"prompt": args.prompt}] if args.prompt is not None else read_prompts(args.prompts)
+        examples = [{"prompt": args.prompt}] if args.prompt is not None else read_prompts(args.prompts, args.prompt_key)
     if args.rank is True and task is None:
         raise UserError("--rank with --prompt/--prompts needs the task that scores the rows: --rank TASK")
     if isinstance(args.rank, str):
@@ -192,8 +315,17 @@ def main(argv=None):
         raise UserError(f"{source}: no prompts in it")
     kw, _ = read_config(args.model)  # a missing or broken model directory: its one line, before anything else
     tok = load_tokenizer(args.model)
-    prompts = [apply_template(ex["prompt"], args.template, ex.get("system_prompt")) for ex in examples]
-    max_new_tokens = check_lengths(args, examples, [len(ids) for ids in map(tok.encode_one, prompts)], kw, source)
+    if args.out is None:  # as training writes its prompts: a chat through the model's chat template
+        prompts = [prompt_text(ex, tok, args.template) for ex in examples]
+    else:  # the logged file's reader (nanokl/harness/logged.py) writes its prompts in --template
+        prompts = [apply_template(ex["prompt"], args.template, ex.get("system_prompt")) for ex in examples]
+    lengths = [len(ids) for ids in map(tok.encode_one, prompts)]
+    if args.prompt_length is not None:
+        for i, (ex, n) in enumerate(zip(examples, lengths)):
+            if n > args.prompt_length:
+                raise UserError(f"{where_of(ex, f'{source} prompt {i}')}: the prompt has {n} tokens, over "
+                                f"rollout.prompt_length={args.prompt_length}")
+    max_new_tokens = check_lengths(args, examples, lengths, kw, source)
 
     dev = torch.device(args.device)
     model = from_pretrained(args.model, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -204,6 +336,7 @@ def main(argv=None):
     if args.out is not None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         out_file = open(args.out, "w", encoding="utf-8")
+    responses = [[] for _ in examples]  # data.output_path: every sample's text
     stats = {"rows": 0, "samples": 0, "kept": 0, "dropped": 0, "skipped_rows": 0, "skipped_samples": 0}
     batches = range(0, len(examples), args.batch_size)
     for start in tqdm(batches, disable=len(batches) < 2 and out_file is None, desc="generate", file=sys.stderr):
@@ -213,9 +346,13 @@ def main(argv=None):
                        top_p=args.top_p, do_sample=args.temperature > 0, eos_token_id=tok.eos_token_ids,
                        pad_token_id=tok.pad_token_id, generator=gen, n=args.n)
         texts = tok.batch_decode(out.responses, out.response_mask)
+        if args.output_path is not None:
+            for i, text in enumerate(texts):
+                responses[start + i // args.n].append(text)
+            continue
         if out_file is None:
             for i, text in enumerate(texts):
-                p = chunk[i // args.n]["prompt"]
+                p = prompts[start + i // args.n]  # the text the model read
                 head = f"=== prompt {start + i // args.n}" + (f", sample {i % args.n}" if args.n > 1 else "")
                 tqdm.write(f"{head} ===\n{p}{text}\n", file=sys.stdout)
             continue
@@ -239,6 +376,11 @@ def main(argv=None):
             stats["rows"] += 1
             stats["kept"] += len(keep)
         out_file.flush()
+    if args.output_path is not None:
+        written = write_verl_output(args.output_path, examples, responses)
+        print(f"wrote {len(examples)} rows ({len(examples) * args.n} responses, {args.n} per row) to {written}",
+              file=sys.stderr)
+        stats |= {"rows": len(examples), "samples": len(examples) * args.n, "kept": len(examples) * args.n}
     if out_file is not None:
         out_file.close()
         print(f"wrote {stats['rows']} rows ({stats['kept']} responses) to {args.out}; {stats['dropped']} of "
