@@ -171,7 +171,7 @@ def test_rollout_layout_reads_the_last_real_token():
             assert (got[b] - alone[0]).abs() <= 1e-5
 
 
-def test_a_causal_lm_gets_a_fresh_head_and_a_value_model_is_refused(tmp_path):
+def test_a_causal_lm_gets_a_fresh_head_and_a_token_classifier_is_read_at_its_last_token(tmp_path):
     cfg = M.ModelConfig(model_type="qwen2", rope_theta=1e4, tie_word_embeddings=False, **TINY)
     lm = M.init_weights(M.CausalLM(cfg))
     H.save_pretrained(lm, tmp_path / "lm")
@@ -179,9 +179,17 @@ def test_a_causal_lm_gets_a_fresh_head_and_a_value_model_is_refused(tmp_path):
     assert tuple(rm.score.weight.shape) == (1, TINY["hidden_size"]) and 0 < rm.score.weight.std() < 0.1
     for name, p in lm.model.state_dict().items():
         assert torch.equal(rm.model.state_dict()[name], p)
-    H.save_pretrained(M.init_weights(M.ValueModel(cfg)), tmp_path / "critic")
-    with pytest.raises(CheckpointError, match="value model"):
-        load_reward_model(tmp_path / "critic")
+    # *ForTokenClassification with num_labels=1 is verl's reward-model class: the score at the last real token
+    critic = M.init_weights(M.ValueModel(cfg)).eval()
+    H.save_pretrained(critic, tmp_path / "critic")
+    ids = torch.randint(1, TINY["vocab_size"], (2, 7))
+    with torch.no_grad():
+        assert (load_reward_model(tmp_path / "critic").eval()(ids) - critic(ids)[:, -1]).abs().max() <= 1e-5
+    two = M.ValueModel(cfg)
+    two.score = torch.nn.Linear(TINY["hidden_size"], 2)
+    H.save_pretrained(M.init_weights(two), tmp_path / "two_labels")
+    with pytest.raises(CheckpointError, match="one label"):
+        load_reward_model(tmp_path / "two_labels")
 
 
 # --------------------------------------------------------------------------- normalisation

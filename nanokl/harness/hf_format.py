@@ -308,15 +308,38 @@ def require_model_dir(path, key="actor_rollout_ref.model.path") -> None:
 NORM_FILE = "reward_normalization.json"  # a reward model's (r - mean) / std, beside its weights
 
 
+class TokenClassRewardModel(RewardModel):
+    """A reward model saved as *ForTokenClassification with num_labels=1, the class verl loads its reward
+    models with (AutoModelForTokenClassification, the score read at the last real token): RewardModel
+    with transformers' token-classification head, a Linear(hidden, 1) with a bias. The reward is that
+    head's output at the last real token, which is transformers' logits[:, last, 0]."""
+    hf_head = "value"  # saved back as *ForTokenClassification
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.score = torch.nn.Linear(cfg.hidden_size, 1, bias=True)
+
+
 def load_reward_model(path, device=None, dtype=None, seed=0) -> RewardModel:
-    """A reward model directory (with its normalisation when reward_normalization.json is there),
-    or a causal LM whose LM head is swapped for a fresh, bias-free `score` row (drawn with `seed`)."""
-    _, head = read_config(path)
-    if head == "value":
-        raise CheckpointError(f"{path}: a value model (ForTokenClassification), not a reward model or causal LM")
-    rm = load_scalar_head(RewardModel, path, device, dtype, bias=False, seed=seed)
+    """A reward model directory, *ForSequenceClassification or *ForTokenClassification with num_labels=1
+    (with its normalisation when reward_normalization.json is there), or a causal LM whose LM head is
+    swapped for a fresh, bias-free `score` row (drawn with `seed`: how nanokl.supervised.reward_model
+    starts one; a run refuses a causal LM as its reward model, harness/scoring.load_rm)."""
+    kw, head = read_config(path)
+    if head == "value":  # verl's reward model class: the score head must hold one label
+        tensors = load_tensors(path, torch.device(device or "cpu"))
+        w = tensors.get("score.weight")
+        if w is None or w.dim() != 2 or w.shape[0] != 1:
+            got = "no score.weight" if w is None else f"score.weight of shape {tuple(w.shape)}"
+            raise CheckpointError(f"{path}: a ForTokenClassification model with {got}; a reward model has one "
+                                  "label (num_labels=1, score.weight of shape (1, hidden_size))")
+        cls = TokenClassRewardModel if "score.bias" in tensors else RewardModel
+        rm = build_model(cls, ModelConfig(**kw), tensors, path, (), torch.device(device or "cpu"),
+                         dtype or torch.float32)
+    else:
+        rm = load_scalar_head(RewardModel, path, device, dtype, bias=False, seed=seed)
     norm = Path(path) / NORM_FILE
-    if head == "reward" and norm.is_file():
+    if head != "lm" and norm.is_file():
         stats = json.loads(norm.read_text())
         rm.reward_mean, rm.reward_std = float(stats["mean"]), float(stats["std"])
     return rm

@@ -59,7 +59,7 @@ from nanokl.forwards import compute_log_probs
 from nanokl.harness import call_limit, reward_fn
 from nanokl.harness.data import encode_prompts
 from nanokl.harness.generations import dump_rollout, gather, prompt_texts
-from nanokl.harness.hf_format import load_reward_model
+from nanokl.harness.hf_format import load_reward_model, read_config
 from nanokl.harness.metrics import add_stats
 from nanokl.harness.val_metrics import prompt_metrics, source_metrics
 from nanokl.rollout import generate
@@ -257,16 +257,37 @@ def on_policy_kl(model, ref, tok, val, cfg, device) -> dict:
 # The learned reward model at work (trained by nanokl/supervised/reward_model.py)
 
 def load_rm(cfg, device):
-    """The learned reward model a run scores with (reward_model.enable), refused when it was trained on
-    another tokenizer than the policy's: it reads the policy's token ids."""
+    """The learned reward model a run scores with (reward_model.enable): *ForSequenceClassification or
+    *ForTokenClassification (verl's class) with one label. Refused in one line: a causal LM (no reward
+    head: verl's AutoModelForTokenClassification would draw a random one), and a reward model whose
+    vocabulary is not the policy's: it reads the policy's token ids as they are (no decode and
+    re-tokenize), so what must agree is each id's token, not the tokenizer files' bytes."""
     rm_path = cfg.reward_model.model.path
+    cfg_json, head = read_config(rm_path)
+    if head == "lm":
+        raise UserError(f"reward_model.model.path={rm_path}: a causal LM ({cfg_json['model_type']}, *ForCausalLM) "
+                        "has no reward head (verl's AutoModelForTokenClassification would give it a random one); "
+                        "give a trained reward model (*ForSequenceClassification or *ForTokenClassification, "
+                        "num_labels=1), e.g. python -m nanokl.supervised.reward_model --config ...")
     rm = load_reward_model(rm_path, device=device).eval()
-    rm_tok = Path(rm_path) / "tokenizer.json"
-    policy_tok = Path(cfg.actor_rollout_ref.model.tokenizer_path) / "tokenizer.json"
-    if rm_tok.is_file() and rm_tok.read_bytes() != policy_tok.read_bytes():  # it reads the policy's token ids
-        raise UserError(f"the reward model at {rm_path} was trained with another tokenizer than the policy's "
-                        f"({policy_tok}); retrain it: python -m nanokl.supervised.reward_model --config ...")
+    if (Path(rm_path) / "tokenizer.json").is_file():
+        check_same_vocab(rm_path, cfg.actor_rollout_ref.model.tokenizer_path)
     return rm
+
+
+def check_same_vocab(rm_path, policy_path) -> None:
+    """A UserError naming the first id on which the two tokenizers' vocabularies (added tokens included)
+    disagree: the reward model would read the policy's ids as other tokens."""
+    from nanokl.harness.tokenizer import load_tokenizer
+    rm_vocab, policy_vocab = (load_tokenizer(p).tok.get_vocab(with_added_tokens=True) for p in (rm_path, policy_path))
+    if rm_vocab == policy_vocab:
+        return
+    rm_ids, policy_ids = ({i: t for t, i in v.items()} for v in (rm_vocab, policy_vocab))
+    i = min(set(rm_ids) ^ set(policy_ids) | {i for i in rm_ids.keys() & policy_ids.keys() if rm_ids[i] != policy_ids[i]})
+    raise UserError(f"the reward model at {rm_path} has another vocabulary than the policy's ({policy_path}): "
+                    f"id {i} is {rm_ids.get(i, '<none>')!r} to it, {policy_ids.get(i, '<none>')!r} to the policy; it "
+                    "reads the policy's token ids, so retrain it on the policy's tokenizer: "
+                    "python -m nanokl.supervised.reward_model --config ...")
 
 
 @torch.no_grad()

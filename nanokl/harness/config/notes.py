@@ -109,7 +109,8 @@ VERL_NOTES = {
                                        "forward_max_token_len_per_gpu")] +
                     [f"{_RM}model.{k}" for k in ("external_lib", "trust_remote_code", "use_shm", "use_remove_padding",
                                                   "use_fused_kernels", "fsdp_config")], _ONE_PROC),
-    _RM + "model.input_tokenizer": "nanokl's reward model reads the decoded text with its own tokenizer",
+    _RM + "model.input_tokenizer": "nanokl's reward model reads the policy's token ids as they are (no decode and "
+                                    "re-tokenize): its vocabulary must be the policy's, checked when it loads",
     **dict.fromkeys([_RM + k for k in ("reward_loop_source", "reward_loop_module_path", "reward_loop_class_name",
                                        "use_reward_loop", "num_workers", "launch_reward_fn_async")],
                     "nanokl scores each batch in the trainer processes, after sampling"),
