@@ -2,7 +2,8 @@
 DAPO (the recipe's run_dapo_qwen2.5_32b.sh and test_dapo_7b_math.sh), GRPO on GSM8K + MATH
 (examples/grpo_trainer/run_qwen2-7b_math.sh) and REINFORCE++ (examples/reinforce_plus_plus_trainer/
 run_qwen2-7b_math_rf.sh and run_qwen2-7b_math_rf_baseline.sh), from verl b178a3c and the verl-recipe commit it
-pins (21892b9; the two DAPO scripts are unchanged from there to verl-recipe 48ea0a7).
+pins (21892b9; the two DAPO scripts are unchanged from there to verl-recipe 48ea0a7); and GRPO with LoRA on GSM8K
+(examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh, issue 48: reconstructed from memory, see GRPO_LORA).
 
 The argument lists: GSPO's and DAPO's come from tests/test_hydra_overrides.py (written there with the scripts'
 shell variables filled in, as bash fills them); the other three are below as the scripts write them, variables
@@ -158,6 +159,55 @@ python3 -m verl.trainer.main_ppo \
 RF_BASELINE = RF.replace("adv_estimator=reinforce_plus_plus \\", "adv_estimator=reinforce_plus_plus_baseline \\")
 assert RF_BASELINE.count("reinforce_plus_plus_baseline") == 1
 
+# examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh (issue 48's LoRA acceptance), from its program line to the
+# end. Reconstructed from verl's tree from memory (verl could not be fetched here to confirm it line by line): the
+# GRPO GSM8K example with LoRA rank 64 / alpha 32, use_shm, layered_summon and safetensors loading
+GRPO_LORA = r"""python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=grpo \
+    trainer.val_before_train=False \
+    data.train_files=$HOME/data/gsm8k/train.parquet \
+    data.val_files=$HOME/data/gsm8k/test.parquet \
+    data.train_batch_size=16 \
+    data.max_prompt_length=512 \
+    data.max_response_length=1024 \
+    data.filter_overlong_prompts=True \
+    data.truncation='error' \
+    data.shuffle=False \
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct \
+    actor_rollout_ref.model.use_shm=True \
+    actor_rollout_ref.model.lora_rank=64 \
+    actor_rollout_ref.model.lora_alpha=32 \
+    actor_rollout_ref.actor.optim.lr=3e-6 \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40 \
+    actor_rollout_ref.actor.use_kl_loss=True \
+    actor_rollout_ref.actor.kl_loss_coef=0.001 \
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl \
+    actor_rollout_ref.actor.entropy_coeff=0 \
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \
+    actor_rollout_ref.actor.fsdp_config.param_offload=False \
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40 \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 \
+    actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
+    actor_rollout_ref.rollout.n=5 \
+    actor_rollout_ref.rollout.load_format=safetensors \
+    actor_rollout_ref.rollout.layered_summon=True \
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40 \
+    actor_rollout_ref.ref.fsdp_config.param_offload=True \
+    algorithm.use_kl_in_reward=False \
+    trainer.critic_warmup=0 \
+    trainer.logger='["console","wandb"]' \
+    trainer.project_name='verl_grpo_example_gsm8k' \
+    trainer.experiment_name='qwen2.5_3b_grpo_lora' \
+    trainer.n_gpus_per_node=8 \
+    trainer.nnodes=1 \
+    trainer.save_freq=20 \
+    trainer.test_freq=5 \
+    trainer.total_epochs=15 $@"""
+
 
 def bash_args(script, home):
     """The arguments bash passes to the program of `script`, with HOME=home."""
@@ -309,7 +359,9 @@ _DAPO_FILES = {"verl/data/dapo-math-17k.parquet": "dapo", "verl/data/aime-2024.p
 # The notes: each key the script sets to other than verl's default that nanokl does not act on as verl would:
 # the rollout engine (vllm) and its settings (gpu_memory_utilization: eager decoding on the CPU sizes its own
 # cache; max_num_batched_tokens: vLLM's scheduler), FSDP offload (nothing to offload in one process), sequence
-# parallelism, fsdp_size, entropy_checkpointing, and reward_manager=dapo (the same scores as verl's, said once).
+# parallelism, fsdp_size, entropy_checkpointing, and reward_manager=dapo (the same scores as verl's, said once);
+# in the LoRA script also model.use_shm (the model is read from its path), rollout.load_format and layered_summon
+# (how verl's rollout receives the weights: nanokl's takes the actor's in place). Its LoRA keys act: not noted.
 # Not noted, as verl's defaults: rollout.mode=async, enable_chunked_prefill, use_remove_padding, return_raw_chat.
 SCRIPTS = {
     "gspo": (lambda home: GSPO, [("/data/gsm8k/", "{home}/data/gsm8k/"), ("/rl/", "{home}/rl/")],
@@ -334,6 +386,9 @@ SCRIPTS = {
     "rf_baseline": (lambda home: bash_args(RF_BASELINE, home), [], MICRO,
                     {"data/gsm8k": "gsm8k", "data/math": "DigitalLearningGmbH/MATH-lighteval"},
                     [_R + "name", _REF + "fsdp_config.param_offload", _R + "gpu_memory_utilization"]),
+    "grpo_lora": (lambda home: bash_args(GRPO_LORA, home), [], MICRO, {"data/gsm8k": "gsm8k"},
+                  ["actor_rollout_ref.model.use_shm", _R + "name", _R + "load_format", _R + "layered_summon",
+                   _REF + "fsdp_config.param_offload", _R + "gpu_memory_utilization"]),
 }
 
 
@@ -407,6 +462,8 @@ def test_verl_scripts_run_as_they_are(tmp_path, capfd, monkeypatch, name):
     keys = [k for line in run.lines if line.startswith("note: ") and not line.startswith("note: trainer.kl_monitor")
             and not KL_TERM.search(line) for k in NOTE.match(line).group(1).split(" / ")]
     assert sorted(keys) == sorted(SCRIPTS[name][-1]), name
+    if name == "grpo_lora":  # the adapters are on: rank and alpha as the script sets them
+        assert sum(line.startswith("LoRA: rank 64, alpha 32 on ") for line in run.lines) == 1
     if importlib.util.find_spec("wandb") is None:  # trainer.logger names wandb: said once, then skipped
         assert sum(line.startswith("tracking: wandb is not installed") for line in run.lines) == 1
 
