@@ -40,7 +40,8 @@ a note saying so). Keys and their flags: model.path=--model, data.path=--prompts
 data.batch_size=--batch-size, rollout.temperature / top_k / top_p = --temperature / --top-k / --top-p,
 rollout.do_sample=false = temperature 0, rollout.response_length=--max-new-tokens, rollout.prompt_length
 (a longer prompt is refused in one line naming it). verl's keys that change nothing here (the engine,
-the GPUs, memory) are listed in a start-up note; any other key is refused in one line.
+the GPUs, memory) are listed in a start-up note; any other key is refused in one line. Score the output as
+verl's main_eval does: python -m nanokl.harness.main_eval data.path=gen.parquet (nanokl/harness/main_eval.py).
 
 Refused in one line (exit 2) before the model loads: --n, --batch-size, --max-new-tokens below 1; no
 prompts, or an empty one (0 tokens once templated: `file:line` for a --prompts file); a prompt plus
