@@ -123,3 +123,33 @@ def test_bad_inputs_are_one_line(sft_dir, tmp_path):
         r = launch([*argv, "--device", "cpu"], script=GENERATE)
         assert r.returncode == 2, (argv, r.stderr[-2000:])
         assert "Traceback" not in r.stderr and len(errors(r.stderr)) == 1 and named in errors(r.stderr)[0], r.stderr
+
+
+def test_without_pyarrow_parquet_is_one_line_and_output_falls_back_to_jsonl(sft_dir, tmp_path):
+    """pyarrow absent (an import of it fails): a .parquet source is one line saying pip install pyarrow; a
+    .parquet data.output_path is written as JSONL beside it, and a note says so."""
+    import os
+    import subprocess
+    import sys
+    block = tmp_path / "block" / "pyarrow"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text("raise ImportError('pyarrow is blocked by the test')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(block.parent)}
+    pq_src = tmp_path / "test.parquet"
+    pq_src.write_bytes(b"PAR1 whatever PAR1")
+    src = write_rows(tmp_path / "test.jsonl", verl_rows())
+
+    def gen(*argv):
+        return subprocess.run([sys.executable, str(GENERATE), *map(str, argv), "--device", "cpu"], capture_output=True,
+                              text=True, cwd=ROOT, env=env, timeout=600)
+    r = gen(f"model.path={sft_dir}", f"data.path={pq_src}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    [line] = errors(r.stderr)
+    assert str(pq_src) in line and "pip install pyarrow" in line
+    r = gen(f"model.path={sft_dir}", f"data.path={src}", f"data.output_path={tmp_path / 'out.parquet'}",
+            "rollout.response_length=3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (tmp_path / "out.parquet").exists()
+    assert any(ln.startswith("note: pyarrow is not installed") and str(tmp_path / "out.jsonl") in ln
+               for ln in r.stderr.splitlines())
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == len(QUESTIONS)
