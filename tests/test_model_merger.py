@@ -130,6 +130,17 @@ def test_merge_under_lora_is_base_plus_scaled_adapters(lora, sft_dir, tmp_path):
     check(tmp_path / "m2")
 
 
+def test_critic_huggingface_and_is_value_model(sft_dir, tmp_path):
+    step = train(sft_dir, tmp_path / "run", "algorithm.adv_estimator=gae")
+    critic = step / "critic"
+    assert os.path.samefile(critic / "huggingface" / "model.safetensors", critic / "model.safetensors")
+    assert verify_checkpoint(step) is None
+    code, err = merger("merge", "--backend", "fsdp", "--local_dir", step, "--target_dir", tmp_path / "v",
+                       "--is-value-model")
+    assert code == 0 and "note: --is-value-model accepted" in err, err
+    same_tensors(load_file(tmp_path / "v" / "model.safetensors"), load_file(critic / "model.safetensors"))
+
+
 @pytest.mark.parametrize("argv, says", [
     (["merge", "--backend", "megatron", "--local_dir", "{plain}"], "--backend megatron"),
     (["merge", "--backend", "fsdp", "--local_dir", "{plain}", "--hf_upload_path", "me/model"], "uploads nothing"),
