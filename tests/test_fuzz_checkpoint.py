@@ -32,6 +32,10 @@ TARGETS = ["latest_checkpointed_iteration.txt", f"{STEP}/{MANIFEST}", f"{STEP}/o
            f"{STEP}/trainer_state.pt", f"{STEP}/actor/config.json", f"{STEP}/actor/model.safetensors",
            f"{STEP}/actor/tokenizer.json", f"{STEP}/actor/tokenizer_config.json", f"{STEP}/critic/config.json",
            f"{STEP}/critic/model.safetensors"]
+# verl's HF folder beside each model's files: hard links to them (checkpoint.hf_view), under the manifest too
+# (copytree below makes them copies, so damage to either side is damage to one file)
+TARGETS += [t.replace("/actor/", "/actor/huggingface/").replace("/critic/", "/critic/huggingface/")
+            for t in TARGETS if "/actor/" in t or "/critic/" in t]
 
 
 @pytest.fixture(scope="module")
