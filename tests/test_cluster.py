@@ -96,7 +96,8 @@ WITH_RANK_KEYS = textwrap.dedent("""
 
 @pytest.mark.parametrize("extra, named", [
     ({"1": ["data.train_batch_size=16"]}, "data.train_batch_size (rank 0: 8, rank 1: 16)"),
-    ({"0": ["actor_rollout_ref.actor.optim.lr=1e-5"]}, "actor_rollout_ref.actor.optim.lr (rank 0: 1e-05, rank 1: "),
+    pytest.param({"0": ["actor_rollout_ref.actor.optim.lr=1e-5"]}, "actor_rollout_ref.actor.optim.lr (rank 0: 1e-05, "
+                 "rank 1: ", marks=pytest.mark.slow),
 ])
 def test_ranks_started_with_different_settings_stop_at_start_naming_them(sft_dir, tmp_path, extra, named):
     script = tmp_path / "launcher.py"
@@ -192,6 +193,7 @@ def test_a_folder_whose_every_checkpoint_is_damaged_refuses_to_start_over(sft_di
     assert steps_logged(tmp_path) == [1, 2, 3, 4] and (tmp_path / "checkpoints.1" / "global_step_2").is_dir()
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_resume_from_path_under_auto_is_used_or_refused(sft_dir, tmp_path):
     src = tmp_path / "src"
     first = launch(args(sft_dir, src, "trainer.total_training_steps=2", "trainer.save_freq=2"))
@@ -207,6 +209,7 @@ def test_resume_from_path_under_auto_is_used_or_refused(sft_dir, tmp_path):
     assert f"trainer.resume_from_path={src} does not verify" in line
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_a_training_file_changed_before_the_resume_is_refused_naming_it(sft_dir, tmp_path):
     rows = [json.dumps({"data_source": "aime24", "prompt": f"Q: {i}+{i}=?", "reward_model": {"ground_truth": str(2 * i)}})
             for i in range(16)]

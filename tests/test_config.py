@@ -323,13 +323,15 @@ def test_run_cli_passes_through_a_normal_return_and_real_bugs():
 def test_measured_configs_keep_temperature_1_under_arith_tiny_at_0_6(name):
     """arith_tiny samples at 0.6 (the race's choice). The configs built on it keep what their README figures
     were measured with: temperature 1 (the offline ones score logged temperature-1 samples, so every log-prob
-    must be taken there), and the KL band and entropy floor around a target of 0.05."""
+    must be taken there), and the KL band and entropy floor around a target of 0.05: the article's 0.02-0.08,
+    or where the failure zoo's healthy runs fitted it (bench/RESULTS.md: GRPO 0.01-0.12, offline PPO to 0.11)."""
     tiny = load_config(TINY)
     assert tiny.actor_rollout_ref.rollout.temperature == 0.6 and tiny.algorithm.kl_ctrl.target_kl == 0.085
     assert (tiny.trainer.kl_monitor.kl_low, tiny.trainer.kl_monitor.kl_high) == (0.03, 0.11)
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
     m = cfg.trainer.kl_monitor
     assert cfg.actor_rollout_ref.rollout.temperature == 1.0
-    assert (m.kl_low, m.kl_high, m.entropy_min) == (0.02, 0.08, 0.05)
+    band = {"grpo_arith": (0.01, 0.12), "offline_ppo": (0.02, 0.11)}.get(name, (0.02, 0.08))
+    assert (m.kl_low, m.kl_high, m.entropy_min) == (*band, 0.05)
     if cfg.algorithm.kl_ctrl.type == "adaptive":
         assert cfg.algorithm.kl_ctrl.target_kl == 0.05

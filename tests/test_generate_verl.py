@@ -103,6 +103,7 @@ def test_do_sample_false_is_greedy_and_keys_mix_with_flags(sft_dir, tmp_path):
     assert outs[0] == outs[1] and all(a == b for a, b in outs[0])
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_bad_inputs_are_one_line(sft_dir, tmp_path):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"PAR1\x00\xff\xfe not parquet")
@@ -125,6 +126,7 @@ def test_bad_inputs_are_one_line(sft_dir, tmp_path):
         assert "Traceback" not in r.stderr and len(errors(r.stderr)) == 1 and named in errors(r.stderr)[0], r.stderr
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_without_pyarrow_parquet_is_one_line_and_output_falls_back_to_jsonl(sft_dir, tmp_path):
     """pyarrow absent (an import of it fails): a .parquet source is one line saying pip install pyarrow; a
     .parquet data.output_path is written as JSONL beside it, and a note says so."""

@@ -208,6 +208,7 @@ sys.exit(train_ppo.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_f_ddp_over_two_processes_keeps_one_set_of_adapters(sft_dir, tmp_path):
     script = tmp_path / "dump.py"
     script.write_text(DUMP.format(root=str(ROOT), out=str(tmp_path)))

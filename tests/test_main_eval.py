@@ -18,7 +18,7 @@ def main_eval(*argv):
                           text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+@pytest.mark.parametrize("suffix", [".jsonl", pytest.param(".parquet", marks=pytest.mark.slow)])
 def test_generate_then_main_eval_scores_by_data_source(sft_dir, tmp_path, suffix):
     if suffix == ".parquet":
         pytest.importorskip("pyarrow")
@@ -40,6 +40,7 @@ def test_generate_then_main_eval_scores_by_data_source(sft_dir, tmp_path, suffix
     assert name == "test_score/arith" and float(value) == pytest.approx(want, abs=1e-5)
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_custom_function_and_one_line_errors(tmp_path):
     rows = [{"data_source": "mine", "reward_model": {"ground_truth": "a"}, "responses": ["a", "b"]},
             {"data_source": "mine", "reward_model": {"ground_truth": "b"}, "responses": ["b", "b"]},

@@ -95,6 +95,7 @@ def test_merge_as_verl_types_it_copies_the_actor_bit_for_bit(plain, tmp_path):
     assert verify_checkpoint(plain) is None
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_merge_under_lora_is_base_plus_scaled_adapters(lora, sft_dir, tmp_path):
     actor = lora / "actor"
     assert (actor / "lora_adapters.safetensors").is_file()
@@ -144,13 +145,13 @@ def test_critic_huggingface_and_is_value_model(sft_dir, tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["merge", "--backend", "megatron", "--local_dir", "{plain}"], "--backend megatron"),
     (["merge", "--backend", "fsdp", "--local_dir", "{plain}", "--hf_upload_path", "me/model"], "uploads nothing"),
-    (["merge", "--backend", "fsdp", "--local_dir", "{plain}", "--private"], "uploads nothing"),
+    pytest.param(["merge", "--backend", "fsdp", "--local_dir", "{plain}", "--private"], "uploads nothing", marks=pytest.mark.slow),
     (["merge", "--backend", "fsdp", "--local_dir", "{plain}/nope"], "no such folder"),
-    (["merge", "--backend", "fsdp", "--local_dir", "{plain}/.."], "not a nanokl checkpoint's actor/ folder"),
-    (["merge", "--backend", "ddp", "--local_dir", "{plain}"], "invalid choice"),
-    (["merge", "--local_dir", "{plain}"], "--backend"),
-    (["test", "--backend", "fsdp"], "invalid choice"),
-    ([], "required"),
+    pytest.param(["merge", "--backend", "fsdp", "--local_dir", "{plain}/.."], "not a nanokl checkpoint's actor/ folder", marks=pytest.mark.slow),
+    pytest.param(["merge", "--backend", "ddp", "--local_dir", "{plain}"], "invalid choice", marks=pytest.mark.slow),
+    pytest.param(["merge", "--local_dir", "{plain}"], "--backend", marks=pytest.mark.slow),
+    pytest.param(["test", "--backend", "fsdp"], "invalid choice", marks=pytest.mark.slow),
+    pytest.param([], "required", marks=pytest.mark.slow),
 ])
 def test_bad_arguments_exit_2_with_one_line(plain, tmp_path, argv, says):
     code, err = merger(*[a.format(plain=plain) for a in argv], "--target_dir", tmp_path / "t") if argv else merger()

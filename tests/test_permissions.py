@@ -174,6 +174,7 @@ def obeying_permissions() -> list[str]:
     return head
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_a_folder_chmod_555_at_the_end_of_a_run_is_one_line_and_a_free_lock(sft_dir, tmp_path):
     run_dir = tmp_path / "run"
     fn = tmp_path / "reward.py"

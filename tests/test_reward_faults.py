@@ -109,6 +109,7 @@ def test_a_reward_past_float32_is_refused_where_it_is_returned(sft_dir, tmp_path
     fixed_resumes(fn, argv, ckpt, capfd, monkeypatch)
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_a_reward_function_that_hangs_is_stopped_by_the_timeout_in_a_real_process(sft_dir, tmp_path):
     fn = tmp_path / "reward.py"
     fn.write_text(REWARD.replace("FAULT", "__import__('time').sleep(30)"))

@@ -65,10 +65,10 @@ def closed_from_the_start(argv, which, err_file):
 
 
 @pytest.mark.parametrize("which,how,logger,save_freq", [
-    ("stdout", broken_after_first_line, VERL_CONSOLE, 2),
+    pytest.param("stdout", broken_after_first_line, VERL_CONSOLE, 2, marks=pytest.mark.slow),
     ("stdout", broken_after_first_line, VERL_CONSOLE, -1),  # verl's defaults: no checkpoint to fall back on
-    ("stdout", closed_from_the_start, VERL_CONSOLE, 2),
-    ("stderr", broken_after_first_line, SHORT_CONSOLE, 2),
+    pytest.param("stdout", closed_from_the_start, VERL_CONSOLE, 2, marks=pytest.mark.slow),
+    pytest.param("stderr", broken_after_first_line, SHORT_CONSOLE, 2, marks=pytest.mark.slow),
     ("stderr", closed_from_the_start, SHORT_CONSOLE, 2),
 ], ids=["stdout_pipe", "stdout_pipe_verl_defaults", "stdout_closed", "stderr_pipe", "stderr_closed"])
 def test_a_dead_console_does_not_stop_the_run(sft_dir, tmp_path, which, how, logger, save_freq):

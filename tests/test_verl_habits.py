@@ -5,6 +5,7 @@ trainer.del_local_ckpt_after_load, the batch reward manager with reward_kwargs, 
 verl counts it, max_critic_ckpt_to_keep.
 """
 
+import pytest
 import json
 import os
 import sys
@@ -51,6 +52,7 @@ def test_verl_logger_names_start_and_file_writes_verls_json_lines(sft_dir, tmp_p
     assert "step:1 - training/global_step:1 - " in r.stdout  # verl's console line still
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_file_logger_default_path_is_project_and_experiment(sft_dir, tmp_path):
     r = launch(two_steps(sft_dir, tmp_path / "run", "trainer.logger=file", "trainer.project_name=proj",
                          "trainer.experiment_name=exp"), {"VERL_FILE_LOGGER_ROOT": str(tmp_path / "root")})
@@ -98,6 +100,7 @@ def test_tensorboard_goes_to_TENSORBOARD_DIR_and_says_so(sft_dir, tmp_path):
     assert not (tmp_path / "run" / "tensorboard").exists()
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_tensorboard_default_is_verls_tensorboard_log_project_experiment(sft_dir, tmp_path):
     r, work = tensorboard_run(sft_dir, tmp_path, {})
     assert "tracking: tensorboard events go to tensorboard_log/proj/exp" in r.stderr
@@ -123,6 +126,7 @@ def test_verl_dashboard_metrics_are_logged(sft_dir, tmp_path):
 
 # item 7 ---------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_del_local_ckpt_after_load_resumes(sft_dir, tmp_path):
     """verl's habit: the key on the resume command (or dropped from it); it changes no number of the run."""
     key = "trainer.del_local_ckpt_after_load=True"
@@ -185,6 +189,7 @@ def test_critic_warmup_counts_as_verls_global_steps(sft_dir, tmp_path):
         assert all("timing_s/update_critic" in g for g in got)
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays under ~8 min on 2 cores)
 def test_max_critic_ckpt_to_keep_rotates_the_folders_with_a_critic(sft_dir, tmp_path):
     """A folder holds actor and critic: the larger limit of those set keeps it, with the start-up note saying so."""
     def kept(run_dir, *extra):
