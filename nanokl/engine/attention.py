@@ -142,8 +142,8 @@ def repeat_kv(x, groups):
 
 # torch.compile'd decoder layers (nanokl/engine/model.py's compile_layers) stop here and call it eagerly: its
 # kernels are already fused (SDPA, varlen), and the layout's host lists (lengths) would otherwise be
-# guarded value by value, recompiling for every new packing
-@torch.compiler.disable
+# guarded value by value, recompiling for every new packing. compile_layers marks it so, when it first
+# compiles: the mark imports torch._dynamo, a second of every process's start that an eager run never uses
 def attend(q, k, v, lay: Layout):
     """softmax(q k^T / sqrt(d) + mask) v for q [B, H, T, d] and k, v [B, n_kv, S, d]: [B, H, T, d]."""
     B, H, T, d = q.shape

@@ -397,6 +397,9 @@ def compile_layers(model: nn.Module, backend="inductor"):
     the parameters are graph inputs. A compiler error stops the run with torch's own error, at the first
     forward (use_torch_compile=false runs eager): torch._dynamo.config.suppress_errors, process-wide,
     would turn it into a warning and a silently slower run, for every compiled function of the process."""
+    if not getattr(A.attend, "_eager_under_compile", False):  # once: attention runs eagerly inside the graphs
+        A.attend = torch.compiler.disable(A.attend)
+        A.attend._eager_under_compile = True
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
     return model
