@@ -74,6 +74,7 @@ def python3_only_path(bin_dir):
     return os.pathsep.join([str(bin_dir), *dirs])
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays near 8 min on 2 cores)
 def test_gpu_check_smoke(tmp_path):
     """The GPU script end to end on CPU, as the GPU machine runs it (python3, no python): probe,
     CUDA tests (collected), rollout table, PPO under torch.distributed.run at world size 1, summary;

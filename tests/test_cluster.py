@@ -161,6 +161,7 @@ def test_scancel_under_torchrun_saves_the_step_and_the_same_command_resumes(sft_
 # a frozen rank
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays near 8 min on 2 cores)
 def test_a_hung_rank_ends_the_job_within_nccl_timeout_in_one_line(sft_dir, tmp_path):
     proc = launch(args(sft_dir, tmp_path, "actor_rollout_ref.nccl_timeout=5"), fault="hang@1:1", nproc=2)
     assert proc.returncode != 0  # ended, well before gloo's 30 minutes (the subprocess timeout is 600 s)

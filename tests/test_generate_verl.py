@@ -43,7 +43,7 @@ def test_parquet_prompts_are_read_as_verl_rows(sft_dir, tmp_path):
     assert r.stdout.count("=== prompt ") == len(QUESTIONS)
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+@pytest.mark.parametrize("suffix", [".jsonl", pytest.param(".parquet", marks=pytest.mark.slow)])
 def test_chat_rows_are_written_as_training_writes_them(sft_dir, tmp_path, suffix):
     if suffix == ".parquet":
         pytest.importorskip("pyarrow")
@@ -63,7 +63,7 @@ def test_chat_rows_are_written_as_training_writes_them(sft_dir, tmp_path, suffix
         assert f"=== prompt {i} ===\n{text}" in r.stdout
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+@pytest.mark.parametrize("suffix", [".jsonl", pytest.param(".parquet", marks=pytest.mark.slow)])
 def test_main_generation_keys_write_verls_output(sft_dir, tmp_path, suffix):
     if suffix == ".parquet":
         pytest.importorskip("pyarrow")
@@ -90,6 +90,7 @@ def test_main_generation_keys_write_verls_output(sft_dir, tmp_path, suffix):
         assert len(g["responses"]) == 3 and all(isinstance(t, str) for t in g["responses"])
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays near 8 min on 2 cores)
 def test_do_sample_false_is_greedy_and_keys_mix_with_flags(sft_dir, tmp_path):
     src = write_rows(tmp_path / "test.jsonl", verl_rows())
     outs = []

@@ -131,6 +131,7 @@ def test_merge_under_lora_is_base_plus_scaled_adapters(lora, sft_dir, tmp_path):
     check(tmp_path / "m2")
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays near 8 min on 2 cores)
 def test_critic_huggingface_and_is_value_model(sft_dir, tmp_path):
     step = train(sft_dir, tmp_path / "run", "algorithm.adv_estimator=gae")
     critic = step / "critic"

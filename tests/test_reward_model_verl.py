@@ -69,6 +69,7 @@ def test_a_run_scores_with_a_token_classification_rm(sft_dir, tmp_path):
     assert all(torch.isfinite(torch.tensor(row["critic/score/mean"])) for row in rows)
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays near 8 min on 2 cores)
 def test_the_policys_tokenizer_resaved_by_transformers_is_the_same(sft_dir, tmp_path):
     token_classifier(sft_dir, tmp_path / "rm")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -80,6 +81,7 @@ def test_the_policys_tokenizer_resaved_by_transformers_is_the_same(sft_dir, tmp_
     assert "another tokenizer" not in r.stderr and "vocabulary" not in r.stderr
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays near 8 min on 2 cores)
 def test_another_vocabulary_is_refused_in_one_line(sft_dir, tmp_path):
     token_classifier(sft_dir, tmp_path / "rm")
     tok = json.loads((sft_dir / "tokenizer.json").read_text())

@@ -157,6 +157,7 @@ def compute_score(data_sources, solution_strs, ground_truths, extra_infos, bonus
 """
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays near 8 min on 2 cores)
 def test_batch_reward_manager_calls_once_a_batch_with_reward_kwargs(sft_dir, tmp_path):
     fn, log = tmp_path / "fn.py", tmp_path / "calls.jsonl"
     fn.write_text(BATCH_FN)
@@ -177,6 +178,7 @@ def test_batch_reward_manager_calls_once_a_batch_with_reward_kwargs(sft_dir, tmp
     assert "it returns a list of 8 scores" in r.stderr
 
 
+@pytest.mark.slow  # in `pytest -m slow` (the default suite stays near 8 min on 2 cores)
 def test_critic_warmup_counts_as_verls_global_steps(sft_dir, tmp_path):
     """verl updates the actor when critic_warmup <= global_steps, counted from 1: critic_warmup=1 trains the actor
     from step 1, critic_warmup=2 from step 2."""
