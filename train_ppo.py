@@ -78,9 +78,8 @@ def ppo_step(run: Run, step: int) -> dict:
             whiten_stats=dist.all_reduce_moments, baselines=run.baselines(examples, metrics),
             score_mask=out.response_mask)
 
-    # 6. update: critic first (verl's order), then the actor once critic_warmup has passed: verl's
-    #    `critic_warmup <= global_steps`, its global steps counted from 1 (step + 1 here), so
-    #    critic_warmup=N trains the critic alone for N - 1 steps (0 and 1: none)
+    # 6. update: critic first (verl's order), then the actor once critic_warmup has passed (verl's
+    #    `critic_warmup <= global_steps`, counted from 1: N trains the critic alone N - 1 steps)
     update = {}
     if run.critic is not None:
         c = cfg.critic
