@@ -14,10 +14,7 @@ trains on settings other than the ones it was given.
 
 import hashlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -26,29 +23,13 @@ import pytest
 from nanokl.harness.checkpoint import latest_checkpoint, verify_checkpoint
 from nanokl.harness.faults import ECHO_S, kills_now
 from nanokl.harness.fingerprint import data_hashes, differences
+from tiny_runs import ROOT, TINY_BASE, launch
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), "data.num_train=64", "data.num_val=16",
-        "data.train_batch_size=8", "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.logger=[jsonl]", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.total_training_steps=4", "trainer.save_freq=-1"]
+TINY = [*TINY_BASE, "trainer.total_training_steps=4", "trainer.save_freq=-1"]
 
 
 def args(sft_dir, run_dir, *extra):
     return [*TINY, f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={run_dir}", *extra]
-
-
-def launch(argv, fault=None, nproc=None, script=None):
-    """train_ppo.py (or `script` with argv) in a new process, plain or under torchrun with `nproc`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("NANOKL_FAULT", None)
-    if fault:
-        env["NANOKL_FAULT"] = fault
-    head = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                               if nproc else [])
-    program = [str(script)] if script else [str(ROOT / "train_ppo.py")]
-    return subprocess.run([*head, *program, *map(str, argv)], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=600)
 
 
 def steps_logged(run_dir):

@@ -35,12 +35,9 @@ from nanokl.harness.checkpoint import latest_checkpoint
 from nanokl.harness.config.load import load_config
 from nanokl.harness.hf_format import from_pretrained
 from nanokl.lora import AdaptersOff, merged_state_dict
+from tiny_runs import ROOT, TINY_BASE, launch
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), "data.num_train=64", "data.num_val=16",
-        "data.train_batch_size=8", "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.logger=[jsonl]", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.total_training_steps=4", "trainer.save_freq=2"]
+TINY = [*TINY_BASE, "trainer.total_training_steps=4", "trainer.save_freq=2"]
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=16",
         "actor_rollout_ref.actor.optim.lr=1e-2"]
 QUIET = ("timing", "perf/throughput", "perf/time_per_step", "perf/cpu_memory", "perf/max_memory")  # machine readings
@@ -49,17 +46,6 @@ LINE = "LoRA: rank 4, alpha 16 on 7 modules (q_proj, k_proj, v_proj, o_proj, gat
 
 def args(sft_dir, run_dir, *extra):
     return [*TINY, f"actor_rollout_ref.model.path={sft_dir}", f"trainer.default_local_dir={run_dir}", *LORA, *extra]
-
-
-def launch(argv, fault=None, nproc=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("NANOKL_FAULT", None)
-    if fault:
-        env["NANOKL_FAULT"] = fault
-    head = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                               if nproc else [])
-    return subprocess.run([*head, str(ROOT / "train_ppo.py"), *map(str, argv)], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=600)
 
 
 def rows(run_dir):

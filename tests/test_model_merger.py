@@ -17,12 +17,9 @@ from safetensors.torch import load_file
 import train_ppo
 from nanokl.harness.checkpoint import verify_checkpoint
 from nanokl.harness.hf_format import from_pretrained
+from tiny_runs import ROOT, TINY_BASE
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--config", str(ROOT / "configs" / "arith_tiny.yaml"), "data.num_train=64", "data.num_val=16",
-        "data.train_batch_size=8", "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.logger=[jsonl]", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.total_training_steps=2", "trainer.save_freq=2"]
+TINY = [*TINY_BASE, "trainer.total_training_steps=2", "trainer.save_freq=2"]
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=16",
         "actor_rollout_ref.actor.optim.lr=1e-2"]
 
